@@ -1,0 +1,1 @@
+"""Small plain types the rest of kiln leans on."""

@@ -1,0 +1,264 @@
+"""The Engine: one optimisation step over a plain PyTorch loop (Colossal-AI's ``initialize``).
+
+    engine, train_dl, test_dl, lr_scheduler = kiln.initialize(model, optimizer, criterion, train_dl, test_dl)
+    for x, y in train_dl:
+        engine.zero_grad()
+        loss = engine.criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+The Engine applies the precision policy (autocast, input casts, loss scaling), the strategy
+(placement, DDP gradient sync only on the last accumulation step, global-norm clipping), gradient
+accumulation over N ``step()`` calls and device placement of batches. Its per-step path does no
+host synchronisation and no allocation a raw loop would not do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from kiln.launch.config import Config, load_config
+from kiln.launch.context import Context, context
+from kiln.launch.data import ensure_distributed_sampler
+from kiln.parallel.strategy import Strategy, get_strategy
+from kiln.precision import Precision, get_precision, precision_from_config
+
+__all__ = ["Engine", "initialize", "GradAccumLRScheduler", "move_to_device"]
+
+
+def move_to_device(data: Any, device: torch.device) -> Any:
+    """Move tensors in nested lists, tuples and dicts to ``device`` (non-blocking)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, (list, tuple)):
+        return type(data)(move_to_device(d, device) for d in data)
+    if isinstance(data, Mapping):
+        return type(data)({k: move_to_device(v, device) for k, v in data.items()})
+    return data
+
+
+class Engine:
+    """Model, optimizer and criterion behind the calls of a plain training loop.
+
+    Args:
+        model: the user's module.
+        optimizer: a torch optimizer over ``model``'s parameters.
+        criterion: the loss function ``criterion(outputs, targets)``.
+        precision: a precision name, dict or :class:`kiln.precision.Precision`.
+        strategy: a strategy name or object (``"auto"``: single for one rank, ddp for more).
+        gradient_accumulation: number of ``step()`` calls per optimizer step.
+        clip_grad_norm: clip the global gradient norm to this value before each optimizer step.
+        ctx: the :class:`kiln.Context`; defaults to ``kiln.context()``.
+
+    Example::
+
+        engine = kiln.Engine(model, torch.optim.SGD(model.parameters(), 0.1), nn.CrossEntropyLoss(),
+                             precision="amp_bf16", gradient_accumulation=4)
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 criterion: Callable[..., torch.Tensor] | None = None, *,
+                 precision: str | Mapping[str, Any] | Precision | None = None,
+                 strategy: str | Strategy | None = "auto", gradient_accumulation: int = 1,
+                 clip_grad_norm: float | None = None, ctx: Context | None = None) -> None:
+        if not isinstance(gradient_accumulation, int) or gradient_accumulation < 1:
+            raise ValueError(f"gradient_accumulation={gradient_accumulation!r} must be an integer >= 1")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None for no clipping)")
+        self.ctx = ctx or context()
+        self.precision = get_precision(precision)
+        self.strategy = get_strategy(strategy, self.ctx)
+        self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
+        self._criterion = criterion
+        self.clip_grad_norm = clip_grad_norm
+        self.scaler = self.precision.make_scaler(self.ctx.device)
+        self.device = self.ctx.device
+        self._accum = gradient_accumulation
+        self._micro = 0
+        self.last_grad_norm: torch.Tensor | None = None
+        # Decided once here so the per-step path is a few attribute reads, not type checks.
+        self._move = self.device.type != "cpu"
+        self._cast = self.precision.casts_inputs
+        self._autocast = self.precision.autocast_dtype is not None
+
+    # -- the four lines of a training loop ---------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._move:
+            args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
+        if self._cast:
+            args, kwargs = self.precision.cast_input(args), self.precision.cast_input(kwargs)
+        if self._accum > 1:
+            # Only the last micro-step's backward all-reduces; DDP decides this at forward time.
+            self.strategy.set_grad_sync(self.model, self._micro == self._accum - 1)
+        if self._autocast:
+            with self.precision.autocast(self.device):
+                return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs)
+
+    def criterion(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The loss, computed under the same autocast as the forward."""
+        if self._criterion is None:
+            raise RuntimeError("this Engine has no criterion; pass criterion= to kiln.initialize")
+        if self._move:
+            args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
+        if self._autocast:
+            with self.precision.autocast(self.device):
+                return self._criterion(*args, **kwargs)
+        return self._criterion(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
+        """Backward of ``loss`` divided by the accumulation count (or times ``weight`` when given,
+        which the Trainer uses for microbatches of unequal size), scaled for fp16."""
+        if weight is not None:
+            loss = loss * weight
+        elif self._accum > 1:
+            loss = loss / self._accum
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients at the start of an accumulation cycle; a no-op inside one."""
+        if self._micro == 0 and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> bool:
+        """Count a micro-step; on the last of ``gradient_accumulation`` unscale, clip and step.
+
+        Returns True when the optimizer stepped (a GradScaler may still skip the update on inf/nan).
+        """
+        self._micro += 1
+        if self._micro < self._accum:
+            return False
+        self._micro = 0
+        self.optimizer_step()
+        return True
+
+    def optimizer_step(self) -> None:
+        """Unscale, clip and step now, whatever the accumulation counter says."""
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
+        scaler = self.scaler
+        if self.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the update when a gradient is inf/nan
+            scaler.update()  # and lowers the scale then
+        else:
+            optimizer.step()
+
+    # -- modes and state ---------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.model.eval()
+        return self
+
+    @property
+    def gradient_accumulation(self) -> int:
+        return self._accum
+
+    @gradient_accumulation.setter
+    def gradient_accumulation(self, value: int) -> None:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gradient_accumulation={value!r} must be an integer >= 1")
+        self._accum = value
+        self._micro = 0
+        if value == 1:
+            self.strategy.set_grad_sync(self.model, True)
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model without strategy wrappers."""
+        return self.strategy.unwrap(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.module.state_dict(), "micro_step": self._micro}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        if "optimizer" in state and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scaler" in state and self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._micro = int(state.get("micro_step", 0))
+
+
+class GradAccumLRScheduler:
+    """Wraps an LR scheduler so that it advances once per ``accumulation`` calls to ``step()``,
+    in step with the optimizer under gradient accumulation (Colossal-AI does the same)."""
+
+    def __init__(self, scheduler: Any, accumulation: int) -> None:
+        self.scheduler = scheduler
+        self.accumulation = accumulation
+        self._calls = 0
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._calls += 1
+        if self._calls % self.accumulation == 0:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "calls": self._calls}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._calls = int(state["calls"])
+
+
+def _strategy_from_config(cfg: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    spec = cfg.get("strategy", "auto")
+    if isinstance(spec, Mapping):
+        options = dict(spec)
+        name = options.pop("name", None) or options.pop("type", None)
+        if name is None:
+            raise ValueError(f"config strategy={dict(spec)!r} needs a 'name' key (e.g. 'ddp')")
+        return name, options
+    return spec, dict(cfg.get("strategy_options", {}) or {})
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               criterion: Callable[..., torch.Tensor] | None = None, train_dataloader: Any = None,
+               test_dataloader: Any = None, lr_scheduler: Any = None,
+               config: Config | Mapping[str, Any] | str | None = None) -> tuple[Engine, Any, Any, Any]:
+    """Wrap model, optimizer and criterion in an :class:`Engine` as the config asks.
+
+    Reads ``precision`` (or Colossal-AI's ``fp16=dict(mode=kiln.AMP_TYPE.TORCH)``),
+    ``gradient_accumulation``, ``clip_grad_norm`` and ``strategy`` from ``config``
+    (default: ``kiln.context().config``). Dataloaders get a distributed sampler when the world is
+    larger than one; the LR scheduler steps once per accumulation cycle.
+
+    Example::
+
+        engine, train_dl, test_dl, lr_scheduler = kiln.initialize(model, optimizer, criterion, train_dl, test_dl)
+    """
+    ctx = context()
+    cfg = ctx.config if config is None else load_config(config)
+    name, options = _strategy_from_config(cfg)
+    engine = Engine(model, optimizer, criterion, precision=precision_from_config(cfg),
+                    strategy=get_strategy(name, ctx, **options),
+                    gradient_accumulation=cfg.get("gradient_accumulation", 1),
+                    clip_grad_norm=cfg.get("clip_grad_norm"), ctx=ctx)
+    seed = cfg.get("seed", 1024)
+    train_dataloader = ensure_distributed_sampler(train_dataloader, seed=seed)
+    test_dataloader = ensure_distributed_sampler(test_dataloader, seed=seed)
+    if lr_scheduler is not None and engine.gradient_accumulation > 1:
+        lr_scheduler = GradAccumLRScheduler(lr_scheduler, engine.gradient_accumulation)
+    return engine, train_dataloader, test_dataloader, lr_scheduler

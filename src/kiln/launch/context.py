@@ -1,0 +1,209 @@
+"""`Context`: where this process runs (rank, world, device, config), and the launch functions."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kiln.launch.config import Config, load_config
+from kiln.launch.environments import LaunchError, from_openmpi, from_slurm, from_torchrun
+
+__all__ = [
+    "Context",
+    "context",
+    "launch",
+    "launch_from_torch",
+    "launch_from_slurm",
+    "launch_from_openmpi",
+    "get_default_parser",
+    "seed_everything",
+]
+
+_BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl")
+
+
+@dataclass
+class Context:
+    """The process's place in the job.
+
+    Attributes:
+        rank: global rank.
+        world_size: number of processes.
+        local_rank: rank on this node; picks the CUDA device.
+        device: ``cuda:<local_rank>`` when CUDA is there, else ``cpu``.
+        config: the run's :class:`kiln.Config`.
+        backend: the c10d backend of the default process group (``None`` for a world of 1).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    config: Config = field(default_factory=Config)
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+_CURRENT: Context | None = None
+
+
+def context() -> Context:
+    """The current Context; a world of 1 (or torchrun's variables, if the group exists) otherwise."""
+    global _CURRENT
+    if _CURRENT is None:
+        if dist.is_available() and dist.is_initialized():
+            # A group made by someone else (user code, a test): describe it rather than hide it.
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            _CURRENT = Context(dist.get_rank(), dist.get_world_size(), local, _device_for(local), Config(), dist.get_backend())
+        else:
+            _CURRENT = Context(device=_device_for(0))
+    return _CURRENT
+
+
+def _set_context(ctx: Context | None) -> None:
+    global _CURRENT
+    _CURRENT = ctx
+
+
+def _device_for(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; expected one of {', '.join(_BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy (when installed) and torch (all devices)."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional
+        pass
+    torch.manual_seed(seed)
+
+
+def launch(
+    config: Config | dict | str | Path | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    host: str = "127.0.0.1",
+    port: int | str = 29500,
+    backend: str = "auto",
+    local_rank: int | None = None,
+    seed: int | None = None,
+    timeout: timedelta | None = None,
+) -> Context:
+    """Join (or create) the default process group and record the :class:`Context`.
+
+    A world of 1 creates no process group: nothing needs one, and it keeps single-process
+    runs free of ports.
+
+    Example::
+
+        ctx = kiln.launch(config="config.py", rank=0, world_size=1)
+    """
+    cfg = load_config(config)
+    backend = _resolve_backend(backend)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise LaunchError(f"rank={rank} and world_size={world_size} are contradictory; expected 0 <= rank < world_size")
+    local_rank = rank if local_rank is None else local_rank
+    device = _device_for(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    used_backend = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{host}:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout or timedelta(minutes=10),
+                device_id=device if device.type == "cuda" else None,
+            )
+        used_backend = dist.get_backend()
+    ctx = Context(rank, world_size, local_rank, device, cfg, used_backend)
+    _set_context(ctx)
+    if seed is None:
+        seed = cfg.get("seed")
+    if seed is not None:
+        seed_everything(int(seed))
+    return ctx
+
+
+def launch_from_torch(config: Config | dict | str | Path | None = None, backend: str = "auto", seed: int | None = None) -> Context:
+    """Launch from torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+    rank, world, local = from_torchrun()
+    return launch(config, rank, world, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], backend, local, seed)
+
+
+def launch_from_slurm(
+    config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
+    backend: str = "auto", seed: int | None = None,
+) -> Context:
+    """Launch from SLURM's variables: SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS), SLURM_LOCALID."""
+    rank, world, local = from_slurm()
+    host, port = _require_address(host, port, "launch_from_slurm")
+    return launch(config, rank, world, host, port, backend, local, seed)
+
+
+def launch_from_openmpi(
+    config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
+    backend: str = "auto", seed: int | None = None,
+) -> Context:
+    """Launch from Open MPI's variables: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK."""
+    rank, world, local = from_openmpi()
+    host, port = _require_address(host, port, "launch_from_openmpi")
+    return launch(config, rank, world, host, port, backend, local, seed)
+
+
+def _require_address(host: str | None, port: int | str | None, fn: str) -> tuple[str, int | str]:
+    host = host or os.environ.get("MASTER_ADDR")
+    port = port or os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise LaunchError(f"{fn} needs host= and port= (the address of rank 0), or MASTER_ADDR and MASTER_PORT set")
+    return host, port
+
+
+def get_default_parser() -> argparse.ArgumentParser:
+    """The launch arguments Colossal-AI scripts expect: --config --host --port --world_size --rank --local_rank --backend."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=str, help="path to the config file")
+    parser.add_argument("--host", type=str, help="the master address for distributed training")
+    parser.add_argument("--port", type=int, help="the master port for distributed training")
+    parser.add_argument("--world_size", type=int, help="world size for distributed training")
+    parser.add_argument("--rank", type=int, help="rank for the default process group")
+    parser.add_argument("--local_rank", type=int, help="local rank on the node")
+    parser.add_argument("--backend", type=str, default="auto", help="backend for distributed communication")
+    return parser
+
+
+def destroy() -> None:
+    """Tear down the process group and forget the context (tests, notebooks)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _set_context(None)

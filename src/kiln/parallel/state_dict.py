@@ -1,0 +1,34 @@
+"""Full, unwrapped state dicts under every strategy, through DCP's state_dict helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["full_model_state_dict"]
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict: no ``module.`` prefixes, no DTensors, on every rank.
+
+    Works for plain modules, DDP, FSDP2 and DTensor-parallel models alike, because
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` knows each of them.
+
+    Example::
+
+        sd = kiln.parallel.full_model_state_dict(engine.model)
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: _plain(v) for k, v in state.items()}
+
+
+def _plain(value: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value

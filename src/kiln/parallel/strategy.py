@@ -1,0 +1,109 @@
+"""The strategy interface and its registry.
+
+A strategy decides how model and optimizer are spread over the world. Each one is a class in its
+own file; adding one is a new file plus one line in ``_BUILTIN`` below (strategy objects, not
+type switches). The Engine asks the strategy four things: wrap (``setup``), whether the next
+backward must synchronise gradients (``set_grad_sync``), the global gradient norm
+(``clip_grad_norm_``), and the plain module underneath (``unwrap``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from kiln.launch.context import Context
+    from kiln.precision import Precision
+
+__all__ = ["Strategy", "register_strategy", "get_strategy", "strategy_names"]
+
+# name -> "module:Class"; imported on first use so `import kiln` stays cheap.
+_BUILTIN: dict[str, str] = {
+    "single": "kiln.parallel.single:SingleDevice",
+    "ddp": "kiln.parallel.ddp:DDP",
+}
+_REGISTERED: dict[str, type["Strategy"]] = {}
+
+
+class Strategy:
+    """How a model and its optimizer are placed on the world.
+
+    Subclasses set ``name`` and override what differs from a single device.
+
+    Example::
+
+        class MyStrategy(kiln.parallel.Strategy):
+            name = "mine"
+            def setup(self, model, optimizer, ctx, precision): ...
+        kiln.parallel.register_strategy(MyStrategy)
+    """
+
+    name: ClassVar[str] = "base"
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
+              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Place ``model`` (and its optimizer) on ``ctx``; returns the objects to train with."""
+        raise NotImplementedError
+
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Whether the next backward synchronises gradients (off on non-final accumulation steps).
+
+        Called before the forward, because DDP decides at forward time.
+        """
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients to a global norm of ``max_norm``; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type, foreach=True)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module without wrappers."""
+        return model
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def register_strategy(cls: type[Strategy], *aliases: str) -> type[Strategy]:
+    """Make ``cls`` available by its ``name`` (and aliases) to ``strategy=`` arguments."""
+    for name in (cls.name, *aliases):
+        _REGISTERED[name] = cls
+    return cls
+
+
+def strategy_names() -> list[str]:
+    return sorted({*_BUILTIN, *_REGISTERED, "auto"})
+
+
+def _lookup(name: str) -> type[Strategy]:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    module, _, cls = _BUILTIN[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_strategy(spec: str | Strategy | None, ctx: Context | None = None, **options: Any) -> Strategy:
+    """A Strategy from a name (with its options) or an existing object.
+
+    ``"auto"`` (and ``None``) picks ``single`` for a world of 1 and ``ddp`` otherwise.
+    """
+    if isinstance(spec, Strategy):
+        return spec
+    name = "auto" if spec is None else str(spec).lower()
+    if name == "auto":
+        from kiln.launch.context import context
+
+        name = "ddp" if (ctx or context()).world_size > 1 else "single"
+    if name not in _BUILTIN and name not in _REGISTERED:
+        raise ValueError(f"strategy={spec!r} is not known; expected one of {', '.join(strategy_names())}")
+    cls = _lookup(name)
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"strategy {name!r} does not accept options {sorted(options)}: {exc}") from None
