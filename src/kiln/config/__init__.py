@@ -1,0 +1,1 @@
+"""Configuration: YAML files, dotted command-line overrides and typed TrainerArgs."""
