@@ -33,8 +33,8 @@ class Event(str, Enum):
                     BEFORE_BACKWARD
                     loss.backward()
                     AFTER_BACKWARD
-                optimizer.step()              # unscale, clip, step, scheduler.step()
-                AFTER_TRAIN_BATCH
+                AFTER_TRAIN_BATCH             # gradients are complete; the step has not run yet
+                optimizer.step()              # unscale, clip, step; per-batch schedulers step
                 timestamp += batch            # the batch is counted before BATCH_END
                 BATCH_END
                 BATCH_CHECKPOINT              # CheckpointSaver saves here on batch intervals

@@ -1,0 +1,97 @@
+"""TensorBoardLogger: scalars in TensorBoard event files, written by torch's SummaryWriter."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kiln.loggers.destination import LoggerDestination, _flatten_params
+
+if TYPE_CHECKING:
+    from kiln.core.state import State
+
+__all__ = ["TensorBoardLogger"]
+
+
+class TensorBoardLogger(LoggerDestination):
+    """Writes each metric as a TensorBoard scalar (``add_scalar``) under ``log_dir``.
+
+    Hyperparameters are written once as a Markdown table with ``add_text`` under the tag
+    ``hyperparameters`` (nested keys dotted). ``add_hparams`` is not used: it writes a separate
+    run in a timestamped sub-folder and accepts only scalar values. A call without a step uses
+    the number of earlier ``log_metrics`` calls as its step.
+
+    The writer (and ``log_dir``) is created on the first write, so ranks that never write leave
+    no event files. ``tensorboard`` is imported when the logger is built, not when ``kiln`` is.
+
+    Args:
+        log_dir: Folder for the event files; view with ``tensorboard --logdir <log_dir>``.
+        flush_interval: Flush to disk every this many ``log_metrics`` calls (the writer also
+            flushes on its own every two minutes, on epoch end, fit end and close).
+        rank_zero_only: Write on rank 0 only (the default).
+
+    Raises:
+        ImportError: When the ``tensorboard`` package is not installed.
+
+    Example::
+
+        trainer = kiln.Trainer(model, loggers=[TensorBoardLogger("runs/exp1")], ...)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        flush_interval: int = 100,
+        *,
+        rank_zero_only: bool = True,
+    ) -> None:
+        super().__init__(rank_zero_only=rank_zero_only)
+        if not isinstance(flush_interval, int) or flush_interval < 1:
+            raise ValueError(
+                f"TensorBoardLogger flush_interval must be an int >= 1, got {flush_interval!r}"
+            )
+        try:
+            # Imported here so that `import kiln` stays fast and works without tensorboard.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError(
+                "TensorBoardLogger needs the tensorboard package: pip install tensorboard"
+            ) from error
+        self._writer_class = SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.flush_interval = flush_interval
+        self._writer: Any = None
+        self._num_calls = 0
+
+    @property
+    def writer(self) -> Any:
+        """The ``SummaryWriter``, created on first use."""
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=str(self.log_dir))
+        return self._writer
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        global_step = self._num_calls if step is None else step
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=global_step)
+        self._num_calls += 1
+        if self._num_calls % self.flush_interval == 0:
+            self.flush()
+
+    def log_hyperparameters(self, params: dict[str, Any]) -> None:
+        rows = [f"| {key} | {value} |" for key, value in _flatten_params(params).items()]
+        table = "\n".join(["| name | value |", "| --- | --- |", *rows])
+        self.writer.add_text("hyperparameters", table)
+
+    def log_text(self, text: str, step: int | None = None) -> None:
+        self.writer.add_text("text", text, global_step=step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self, state: State | None = None, logger: Any = None) -> None:
+        if self._writer is not None:
+            self._writer.close()  # flushes first
+            self._writer = None
