@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 from kiln.launch.context import context
 
-__all__ = ["ResumableSampler", "get_dataloader", "ensure_distributed_sampler"]
+__all__ = ["ResumableSampler", "ShardSampler", "get_dataloader", "ensure_distributed_sampler", "with_resumable_sampler"]
 
 
 class ResumableSampler(DistributedSampler):
@@ -79,24 +79,62 @@ _LOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_l
                 "worker_init_fn", "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device")
 
 
+def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
+    kwargs.pop("generator", None)
+    if kwargs.get("num_workers", 0) == 0:
+        for name in ("persistent_workers", "multiprocessing_context", "timeout", "prefetch_factor"):
+            kwargs.pop(name, None)
+    return kwargs
+
+
 def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024) -> DataLoader | None:
     """Return ``loader``, rebuilt with a :class:`ResumableSampler` if the world is larger than one
     and it has none, keeping its shuffling, batch size and worker settings."""
-    ctx = context()
-    if loader is None or ctx.world_size == 1 or not isinstance(loader, DataLoader):
+    if context().world_size == 1:
+        return loader
+    return with_resumable_sampler(loader, seed)
+
+
+def with_resumable_sampler(loader: Any, seed: int = 1024) -> Any:
+    """Return ``loader`` rebuilt with a :class:`ResumableSampler` (over this world) in place of a
+    plain random or sequential sampler, so its order depends only on seed and epoch and a
+    resumed run can start mid-epoch. Other loaders come back unchanged."""
+    if loader is None or not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
         return loader
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
         return loader  # a custom sampler: the user decides how data is split
     shuffle = isinstance(loader.sampler, RandomSampler)
-    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
-    kwargs["batch_size"] = loader.batch_size
-    kwargs["drop_last"] = loader.drop_last
-    kwargs.pop("generator", None)
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("persistent_workers", None)
-        kwargs.pop("multiprocessing_context", None)
-        kwargs.pop("timeout", None)
+    kwargs = _loader_kwargs(loader)
     sampler = ResumableSampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation sharding without padding: rank r takes samples r, r+W, r+2W, ...
+
+    torch's DistributedSampler pads the last shard with repeated samples, which would count them
+    twice in a metric; uneven shards are fine for evaluation because metric states are summed
+    across ranks only once, in ``compute()``.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+    @classmethod
+    def wrap(cls, loader: Any) -> Any:
+        """``loader`` sharded across ranks when the world is larger than one and it is a plain
+        sequential DataLoader; anything else is returned unchanged."""
+        ctx = context()
+        if ctx.world_size == 1 or not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
+            return loader
+        kwargs = _loader_kwargs(loader)
+        return DataLoader(loader.dataset, sampler=cls(loader.dataset, ctx.world_size, ctx.rank), **kwargs)

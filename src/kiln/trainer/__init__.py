@@ -1,0 +1,5 @@
+"""The loop: the Trainer, its evaluation, and the Colossal-AI / nnScaler hook adapters."""
+
+from kiln.trainer.trainer import Trainer
+
+__all__ = ["Trainer"]

@@ -1,0 +1,52 @@
+"""Event dispatch: algorithms first, then callbacks, loggers last, with per-event handler lists
+built once so an event nobody listens to costs one dict lookup."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kiln.core.callback import Algorithm, Callback
+from kiln.core.event import Event
+from kiln.core.state import State
+
+__all__ = ["EventRunner"]
+
+
+def _listens(callback: Callback, event: Event) -> bool:
+    # A callback that keeps the base run_event only reacts to events whose method it overrides,
+    # so the others can be skipped without calling it.
+    cls = type(callback)
+    if cls.run_event is not Callback.run_event:
+        return True
+    method = getattr(cls, event.value, None)
+    return method is not None and method is not getattr(Callback, event.value, None)
+
+
+class EventRunner:
+    """Runs algorithms, callbacks and loggers on each event, in that order.
+
+    On ``after_*`` and ``*_end`` events algorithms run in reverse order, so an algorithm that
+    wraps a step undoes its change in the opposite order of applying it (as in Composer).
+    """
+
+    def __init__(self, state: State, logger: Any) -> None:
+        self.state = state
+        self.logger = logger
+        self._callbacks: dict[Event, list[Callback]] = {}
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Recompute who listens to what (after callbacks or loggers were added or removed)."""
+        listeners = [*self.state.callbacks, *self.logger.destinations]
+        self._callbacks = {e: [c for c in listeners if _listens(c, e)] for e in Event}
+        self.active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
+
+    def run(self, event: Event) -> None:
+        state, logger = self.state, self.logger
+        algorithms: Sequence[Algorithm] = state.algorithms
+        if algorithms:
+            for algorithm in (reversed(algorithms) if event.is_after_event else algorithms):
+                if algorithm.match(event, state):
+                    algorithm.apply(event, state, logger)
+        for callback in self._callbacks[event]:
+            callback.run_event(event, state, logger)

@@ -1,0 +1,497 @@
+"""The Trainer: a whole training run in one object (Composer's Trainer, Colossal-AI's too).
+
+``fit`` holds the loop; ``_train_batch`` the step (microbatches, events, optimizer step). From
+``Trainer.fit`` to ``optimizer.step`` is three calls: fit -> _train_batch -> Engine.optimizer_step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from kiln.core.callback import Algorithm, Callback
+from kiln.core.event import Event
+from kiln.core.model import Model
+from kiln.core.state import State
+from kiln.core.time import Time, TimeUnit
+from kiln.engine import Engine, move_to_device
+from kiln.launch.context import context, seed_everything
+from kiln.launch.data import ShardSampler, with_resumable_sampler
+from kiln.loggers.logger import Logger
+from kiln.trainer.batching import num_samples, num_tokens, split_batch
+from kiln.trainer.evaluation import evaluate
+from kiln.trainer.events import EventRunner
+from kiln.trainer.options import TrainerOptions, resolve_duration
+from kiln.trainer.progress import ProgressBar
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Train, evaluate and checkpoint a model.
+
+    Args:
+        model: a :class:`kiln.Model`, or any ``nn.Module`` with ``criterion=`` (batches are
+            ``(inputs, targets)``).
+        train_dataloader, eval_dataloader: iterables of batches (per-rank batches).
+        max_duration: int epochs or a time string (``"10ep"``, ``"500ba"``, ``"2e4sp"``,
+            ``"1e6tok"``, ``"1h30m"``) or a :class:`kiln.Time`.
+        optimizers, schedulers: a torch optimizer; torch schedulers (stepped per epoch unless
+            ``step_schedulers_every_batch``) or kiln time-aware schedulers (stepped per batch).
+        precision, strategy: see :mod:`kiln.precision` and :mod:`kiln.parallel`.
+        grad_accum / device_train_microbatch_size: split each batch into microbatches (int, or
+            ``"auto"``: halve on out-of-memory and retry).
+        algorithms, callbacks, loggers: run on the events of :class:`kiln.Event`.
+        eval_interval: a Time (``"1ep"``, ``"100ba"``) or int epochs.
+        save_folder, save_interval, ...: checkpointing (see :mod:`kiln.checkpoint`).
+        engine, logger: the Colossal-AI form ``Trainer(engine=engine, logger=logger)``.
+
+    Example::
+
+        trainer = kiln.Trainer(model, train_dataloader=train_dl, eval_dataloader=eval_dl,
+                               max_duration="10ep", optimizers=torch.optim.AdamW(model.parameters()))
+        trainer.fit()
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        train_dataloader: Iterable | None = None,
+        eval_dataloader: Iterable | None = None,
+        max_duration: int | str | Time | None = None,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Any = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        device: str | torch.device | None = None,
+        precision: str | Mapping[str, Any] | None = None,
+        strategy: Any = "auto",
+        grad_accum: int = 1,
+        device_train_microbatch_size: int | str | None = None,
+        clip_grad_norm: float | None = None,
+        algorithms: Sequence[Algorithm] | Algorithm = (),
+        callbacks: Sequence[Callback] | Callback = (),
+        loggers: Any = (),
+        eval_interval: int | str | Time | Callable[[State, Event], bool] = "1ep",
+        eval_subset_num_batches: int | None = None,
+        save_folder: str | os.PathLike | None = None,
+        save_interval: str | int | Time | Callable[[State, Event], bool] = "1ep",
+        save_num_checkpoints_to_keep: int = -1,
+        save_type: str = "sharded",
+        save_best: str | tuple[str, str] | None = None,
+        load_path: str | os.PathLike | None = None,
+        autoresume: bool = False,
+        seed: int | None = None,
+        deterministic: bool = False,
+        progress_bar: bool = True,
+        log_interval: int | str | Time = "1ba",
+        engine: Engine | None = None,
+        logger: Any = None,
+        *,
+        save_async: bool = False,
+        eval_metrics: Mapping[str, Any] | None = None,
+        scale_schedule_ratio: float = 1.0,
+        step_schedulers_every_batch: bool | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.options = opts = TrainerOptions.validate(locals())
+        ctx = context()
+        if seed is not None:
+            seed_everything(seed)
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        self.config = dict(config or {})
+        self.eval_metrics = eval_metrics
+        self.dist_logger = logger  # Colossal-AI's logger, used by its hooks
+
+        # -- the engine: model, optimizer, precision, strategy ------------------------------
+        if engine is None:
+            if model is None:
+                raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
+            if not isinstance(model, Model) and criterion is None:
+                raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
+                                 "or make it a kiln.Model with a loss(outputs, batch) method")
+            optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
+            engine = Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
+                            precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
+        self.engine = engine
+        module = engine.module
+        self._is_kiln_model = isinstance(module, Model)
+        # The loss of (outputs, batch): a kiln.Model's own, or the criterion on the batch's targets.
+        self.loss_fn = engine.criterion if self._is_kiln_model else _targets_loss(engine.criterion)
+
+        # -- state ---------------------------------------------------------------------------
+        self.state = state = State(
+            module, rank=ctx.rank, world_size=ctx.world_size, optimizers=[engine.optimizer] if engine.optimizer else [],
+            precision=engine.precision, device=engine.device, seed=seed,
+            algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
+            callbacks=[callbacks] if isinstance(callbacks, Callback) else list(callbacks),
+            run_name=run_name or "kiln")
+        state.engine = engine
+        state.loss_fn = self.loss_fn
+        state.max_duration = opts.max_duration
+        self._check_algorithms()
+
+        self.logger = Logger(opts.loggers, rank=ctx.rank, state=state)
+        self.events = EventRunner(state, self.logger)
+        self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0)
+
+        # -- data ----------------------------------------------------------------------------
+        self.train_dataloader = None
+        self.eval_dataloader = None
+        self._set_train_dataloader(train_dataloader)
+        self._set_eval_dataloader(eval_dataloader)
+
+        # -- schedulers, checkpoints ---------------------------------------------------------
+        self._per_batch_schedulers: list[Any] = []
+        self._per_epoch_schedulers: list[Any] = []
+        self._add_schedulers(schedulers)
+        self._saver = None
+        if save_folder is not None:
+            from kiln.checkpoint import CheckpointSaver  # checkpoint code loads only when used
+
+            self._saver = CheckpointSaver(save_folder, interval=save_interval,
+                                          num_checkpoints_to_keep=save_num_checkpoints_to_keep,
+                                          save_type=save_type, save_best=save_best, save_async=save_async)
+            state.callbacks.append(self._saver)
+            self.events.rebuild()
+
+        self.events.run(Event.INIT)
+        self._load(load_path, autoresume, save_folder)
+
+    # -- construction helpers -----------------------------------------------------------------
+    def _check_algorithms(self) -> None:
+        if self.state.algorithms:
+            from kiln.algorithms import check_algorithm_compatibility
+
+            check_algorithm_compatibility(self.state.algorithms)
+
+    def _set_train_dataloader(self, loader: Iterable | None) -> None:
+        if loader is None:
+            return
+        seed = self.state.seed if self.state.seed is not None else 1024
+        self.train_dataloader = loader = with_resumable_sampler(loader, seed=seed)
+        self.state.dataloader = loader
+        try:
+            self.state.dataloader_len = len(loader)  # type: ignore[arg-type]
+        except TypeError:
+            self.state.dataloader_len = None
+
+    def _set_eval_dataloader(self, loader: Iterable | None) -> None:
+        if loader is not None:
+            self.eval_dataloader = ShardSampler.wrap(loader)
+
+    def _add_schedulers(self, schedulers: Any) -> None:
+        if schedulers is None:
+            return
+        from kiln.optim.lr_scheduler import compile_composer_scheduler
+        from kiln.optim.schedulers import ComposerScheduler
+
+        every_batch = self.options.step_schedulers_every_batch
+        for scheduler in schedulers if isinstance(schedulers, (list, tuple)) else [schedulers]:
+            if isinstance(scheduler, ComposerScheduler) or (callable(scheduler) and not hasattr(scheduler, "step")):
+                if self.state.optimizer is None:
+                    raise ValueError("a time-aware scheduler needs an optimizer; pass optimizers=")
+                scheduler = compile_composer_scheduler(scheduler, self.state, self.state.optimizer,
+                                                       ssr=self.options.scale_schedule_ratio)
+                self._per_batch_schedulers.append(scheduler)
+            elif every_batch:
+                self._per_batch_schedulers.append(scheduler)
+            else:
+                self._per_epoch_schedulers.append(scheduler)
+            self.state.schedulers.append(scheduler)
+
+    def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
+        if autoresume:
+            if save_folder is None:
+                raise ValueError("autoresume=True needs save_folder= (where to look for 'last')")
+            from kiln.checkpoint.layout import resolve_checkpoint
+
+            if resolve_checkpoint(save_folder, "last", must_exist=False) is not None:
+                load_path = "last"
+        if load_path is None:
+            return
+        from kiln.checkpoint import load_checkpoint
+        from kiln.checkpoint.layout import resolve_checkpoint
+
+        path = resolve_checkpoint(save_folder, load_path)
+        self.events.run(Event.BEFORE_LOAD)
+        load_checkpoint(path, self.state)
+        self.events.run(Event.AFTER_LOAD)
+
+    # -- small helpers the loop and the evaluator share ----------------------------------------
+    def to_device(self, batch: Any) -> Any:
+        return batch if self.engine.device.type == "cpu" else move_to_device(batch, self.engine.device)
+
+    def forward(self, batch: Any) -> Any:
+        """Outputs of the (wrapped) model: ``model(batch)`` for a kiln.Model, else ``model(batch[0])``."""
+        return self.engine(batch) if self._is_kiln_model else self.engine(batch[0])
+
+    @staticmethod
+    def count_samples(batch: Any) -> int:
+        return num_samples(batch)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self, train_dataloader: Iterable | None = None, duration: int | str | Time | None = None,
+            eval_dataloader: Iterable | None = None, epochs: int | None = None, test_dataloader: Iterable | None = None,
+            test_interval: int = 1, hooks: Sequence[Any] | None = None, display_progress: bool | None = None,
+            reset_time: bool = False) -> None:
+        """Train until ``max_duration`` (or ``duration`` more, or ``epochs``), evaluating and
+        checkpointing as configured. The Colossal-AI arguments (``epochs``, ``test_dataloader``,
+        ``test_interval``, ``hooks``, ``display_progress``) work as in its Trainer."""
+        state, events, engine, opts = self.state, self.events, self.engine, self.options
+        if train_dataloader is not None:
+            self._set_train_dataloader(train_dataloader)
+        if eval_dataloader is not None or test_dataloader is not None:
+            self._set_eval_dataloader(eval_dataloader if eval_dataloader is not None else test_dataloader)
+            if test_dataloader is not None:
+                opts.eval_interval = Time(test_interval, TimeUnit.EPOCH)
+        if display_progress is not None:
+            self.progress.enabled = display_progress and state.rank == 0
+        if reset_time:
+            state.timestamp.load_state_dict({})
+        if epochs is not None:
+            duration = Time(epochs, TimeUnit.EPOCH)
+        if duration is not None:
+            duration = resolve_duration(duration)
+            state.max_duration = state.timestamp.get(duration.unit) + duration
+        if state.max_duration is None:
+            raise ValueError("no duration: pass max_duration= to the Trainer, or duration=/epochs= to fit()")
+        if self.train_dataloader is None:
+            raise ValueError("no training data: pass train_dataloader= to the Trainer or to fit()")
+        hook_callback = None
+        if hooks:
+            from kiln.trainer.hooks import ColossalHookCallback
+
+            hook_callback = ColossalHookCallback(hooks, self)
+            state.callbacks.append(hook_callback)
+        events.rebuild()
+        try:
+            self._fit_loop()
+        finally:
+            if hook_callback is not None:
+                state.callbacks.remove(hook_callback)
+                events.rebuild()
+            self.progress.close()
+
+    def _fit_loop(self) -> None:
+        state, events, opts = self.state, self.events, self.options
+        ts = state.timestamp
+        unit, limit = state.max_duration.unit, state.max_duration.value
+        events.run(Event.FIT_START)
+        state._stop, state.stop_reason = False, None
+        loader = self.train_dataloader
+        resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
+        while not self._done(unit, limit):
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(ts.epoch.value)
+            skip_in_loader = resume_skip and hasattr(sampler, "skip")
+            if skip_in_loader:  # the sampler starts after the consumed samples: nothing is replayed
+                sampler.skip(resume_skip * self._batch_size(loader))
+            if not resume_skip:
+                events.run(Event.EPOCH_START)
+            self.progress.start_epoch(state)
+            iterator = iter(loader)
+            if resume_skip and not skip_in_loader:
+                for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
+                    next(iterator, None)
+            resume_skip = 0
+            while True:
+                events.run(Event.BEFORE_DATALOADER)
+                start = time.perf_counter()
+                batch = next(iterator, None)
+                if batch is None:
+                    break
+                state.batch = self.to_device(batch)
+                events.run(Event.AFTER_DATALOADER)
+                events.run(Event.BATCH_START)
+                self._train_batch()
+                ts.advance_batch(num_samples(state.batch), num_tokens(state.batch), time.perf_counter() - start)
+                for scheduler in self._per_batch_schedulers:
+                    scheduler.step()
+                events.run(Event.BATCH_END)
+                self._log_train(ts)
+                self.progress.update(state)
+                events.run(Event.BATCH_CHECKPOINT)
+                if self.eval_dataloader is not None and opts.eval_due(state, Event.BATCH_END):
+                    self.eval()
+                if state.stopped or (unit != TimeUnit.EPOCH and getattr(ts, "_" + _COUNTER[unit]) >= limit):
+                    break
+            if state.timestamp.batch_in_epoch.value == 0 and not state.stopped:
+                break  # an empty dataloader would loop forever
+            if batch is None:  # the epoch ran to its end
+                self.progress.end_epoch(state)
+                ts.advance_epoch()
+                for scheduler in self._per_epoch_schedulers:
+                    scheduler.step()
+                events.run(Event.EPOCH_END)
+                events.run(Event.EPOCH_CHECKPOINT)
+                if self.eval_dataloader is not None and opts.eval_due(state, Event.EPOCH_END):
+                    self.eval()
+            if state.stopped:
+                break
+        events.run(Event.FIT_END)
+        self.logger.flush()
+
+    def _done(self, unit: TimeUnit, limit: int | float) -> bool:
+        return self.state.stopped or getattr(self.state.timestamp, "_" + _COUNTER[unit]) >= limit
+
+    @staticmethod
+    def _batch_size(loader: Any) -> int:
+        size = getattr(loader, "batch_size", None)
+        if not size:
+            raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
+        return size
+
+    def _train_batch(self) -> None:
+        """One optimizer step over ``state.batch``: microbatches with their events, then the step."""
+        state, events, engine = self.state, self.events, self.engine
+        events.run(Event.BEFORE_TRAIN_BATCH)
+        batch = state.batch
+        batch_size = num_samples(batch)
+        while True:
+            microbatch_size = self.options.microbatch_size(batch_size)
+            try:
+                engine.zero_grad()
+                microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else [batch]
+                count = len(microbatches)
+                total_loss = None
+                for index, microbatch in enumerate(microbatches):
+                    if count > 1:  # only the last microbatch's backward all-reduces
+                        engine.strategy.set_grad_sync(engine.model, index == count - 1)
+                    state.batch = microbatch
+                    events.run(Event.BEFORE_FORWARD)
+                    state.outputs = self.forward(state.batch)
+                    events.run(Event.AFTER_FORWARD)
+                    events.run(Event.BEFORE_LOSS)
+                    state.loss = self.loss_fn(state.outputs, state.batch)
+                    events.run(Event.AFTER_LOSS)
+                    events.run(Event.BEFORE_BACKWARD)
+                    if count > 1:
+                        weight = num_samples(state.batch) / batch_size
+                        engine.backward(state.loss, weight=weight)
+                        # the batch's loss, for logging: microbatch means weighted by their size
+                        part = state.loss.detach() * weight
+                        total_loss = part if total_loss is None else total_loss + part
+                    else:
+                        engine.backward(state.loss)
+                    events.run(Event.AFTER_BACKWARD)
+                if self.options.auto_microbatch and self.options.any_rank_oom(False):
+                    self.options.halve_microbatch(batch_size)  # another rank ran out of memory:
+                    continue  # retry this batch with the same, smaller microbatch everywhere
+                break
+            except torch.OutOfMemoryError:
+                if not self.options.auto_microbatch:
+                    raise
+                self.options.any_rank_oom(True)
+                self.options.halve_microbatch(batch_size)
+                state.outputs = state.loss = None
+                if engine.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        state.batch = batch
+        if total_loss is not None:
+            state.loss = total_loss
+        events.run(Event.AFTER_TRAIN_BATCH)
+        engine.optimizer_step()
+
+    def _log_train(self, ts: Any) -> None:
+        opts = self.options
+        if not self.logger.destinations or ts._batch % opts.log_every != 0:
+            return
+        loss = self.state.loss.detach()
+        if self.state.world_size > 1:  # averaged across ranks, only when a logger will write it
+            import torch.distributed as dist
+
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() != "gloo" else dist.ReduceOp.SUM)
+            if dist.get_backend() == "gloo":
+                loss /= self.state.world_size
+        metrics: dict[str, Any] = {"train/loss": loss}
+        if self.state.optimizer is not None:
+            metrics["train/lr"] = self.state.optimizer.param_groups[0]["lr"]
+        self.logger.log_metrics(metrics, step=ts._batch)
+
+    # -- evaluation, prediction, checkpoints ---------------------------------------------------
+    def eval(self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval") -> dict[str, float]:
+        """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``."""
+        loader = ShardSampler.wrap(dataloader) if dataloader is not None else self.eval_dataloader
+        if loader is None:
+            raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
+        return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)
+
+    @torch.no_grad()
+    def predict(self, dataloader: Iterable) -> list[Any]:
+        """Model outputs for every batch of ``dataloader`` (eval mode, no gradients)."""
+        was_training = self.engine.model.training
+        self.engine.eval()
+        outputs = []
+        for batch in dataloader:
+            batch = self.to_device(batch)
+            out = self.forward(batch)
+            outputs.append(self.state.model.eval_forward(batch, out) if self._is_kiln_model else out)
+        self.engine.train(was_training)
+        return outputs
+
+    def save_checkpoint(self, folder: str | os.PathLike | None = None) -> str:
+        """Write a checkpoint now; returns its path."""
+        from kiln.checkpoint import save_checkpoint
+
+        folder = folder or (self._saver.folder if self._saver is not None else None)
+        if folder is None:
+            raise ValueError("save_checkpoint() needs a folder: pass save_folder= to the Trainer or folder= here")
+        return str(save_checkpoint(folder, self.state, save_type=self.options.save_type))
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        from kiln.checkpoint import load_checkpoint
+
+        load_checkpoint(path, self.state)
+
+    def close(self) -> None:
+        """Release loggers and callbacks (files, writers)."""
+        for callback in self.state.callbacks:
+            callback.close(self.state, self.logger)
+        self.logger.close()
+        self.progress.close()
+
+    # -- Colossal-AI's trainer attributes, for its hooks -----------------------------------------
+    @property
+    def cur_epoch(self) -> int:
+        return self.state.timestamp.epoch.value
+
+    @property
+    def cur_step(self) -> int:
+        return self.state.timestamp.batch.value
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self.state.dataloader_len
+
+
+_COUNTER = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch", TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
+            TimeUnit.SECOND: "total_wct"}
+
+
+def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
+    if optimizers is None:
+        return None
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return optimizers
+    optimizers = list(optimizers)
+    if len(optimizers) != 1:
+        raise ValueError(f"optimizers has {len(optimizers)} optimizers; kiln trains with exactly one")
+    return optimizers[0]
+
+
+def _targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """``criterion(outputs, targets)`` as a loss of ``(outputs, batch)`` for ``(inputs, targets)`` batches."""
+    def loss(outputs: Any, batch: Any) -> torch.Tensor:
+        return criterion(outputs, batch[1])
+
+    loss.criterion = criterion  # type: ignore[attr-defined]
+    return loss

@@ -1,0 +1,250 @@
+"""Trainer: event order, durations, microbatching, evaluation, stopping, the two model forms."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln import Event
+
+
+def _data(n=64, dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+class Recorder(kiln.Callback):
+    def __init__(self):
+        self.events = []
+
+    def run_event(self, event, state, logger):
+        self.events.append(event)
+
+
+def _trainer(**kw):
+    model = kw.pop("model", None) or _mlp()
+    args = dict(train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
+                optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+                progress_bar=False)
+    args.update(kw)
+    return kiln.Trainer(model, **args)
+
+
+def test_event_order_two_epochs_with_eval_accumulation_and_checkpoints(tmp_path):
+    rec = Recorder()
+    trainer = _trainer(train_dataloader=torch.utils.data.DataLoader(_data(32), batch_size=16),
+                       eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=16),
+                       max_duration="2ep", grad_accum=2, callbacks=[rec])
+    trainer.fit()
+    micro = [Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+             Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD]
+    batch = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+             *micro, *micro, Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT]
+    evaluation = [Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
+                  Event.EVAL_BATCH_END, Event.EVAL_END]
+    epoch = [Event.EPOCH_START, *batch, *batch, Event.BEFORE_DATALOADER, Event.EPOCH_END, Event.EPOCH_CHECKPOINT,
+             *evaluation]
+    assert rec.events == [Event.INIT, Event.FIT_START, *epoch, *epoch, Event.FIT_END]
+
+
+def test_load_events_fire_when_loading(tmp_path):
+    pytest.importorskip("kiln.checkpoint")
+    rec = Recorder()
+    first = _trainer(max_duration="1ep", save_folder=str(tmp_path / "ck"))
+    first.fit()
+    _trainer(max_duration="2ep", save_folder=str(tmp_path / "ck"), load_path="last", callbacks=[rec])
+    assert rec.events[:3] == [Event.INIT, Event.BEFORE_LOAD, Event.AFTER_LOAD]
+
+
+@pytest.mark.parametrize("duration,batches,epochs,samples", [
+    ("3ep", 12, 3, 192), (2, 8, 2, 128), ("6ba", 6, 1, 96), ("100sp", 7, 1, 112), ("1ep", 4, 1, 64),
+])
+def test_durations_stop_at_the_right_batch(duration, batches, epochs, samples):
+    trainer = _trainer(max_duration=duration)
+    trainer.fit()
+    ts = trainer.state.timestamp
+    assert (ts.batch.value, ts.epoch.value, ts.sample.value) == (batches, epochs, samples)
+
+
+def test_fit_duration_adds_to_the_run_and_dur_fractions_resolve():
+    trainer = _trainer(max_duration="2ep")
+    assert trainer.state.resolve("0.5dur") == kiln.Time(1, "ep")
+    trainer.fit(duration="3ba")
+    assert trainer.state.timestamp.batch.value == 3
+    trainer.fit(duration="2ba")
+    assert trainer.state.timestamp.batch.value == 5
+
+
+def test_eval_interval_in_batches_and_dur():
+    rec = Recorder()
+    trainer = _trainer(max_duration="2ep", eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
+                       eval_interval="3ba", callbacks=[rec])
+    trainer.fit()
+    assert rec.events.count(Event.EVAL_START) == 2  # after batches 3 and 6 of 8
+    rec2 = Recorder()
+    trainer = _trainer(max_duration="8ba", eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
+                       eval_interval="0.25dur", callbacks=[rec2])
+    trainer.fit()
+    assert rec2.events.count(Event.EVAL_START) == 4
+
+
+def test_grad_accum_and_microbatch_size_match_full_batch():
+    ref = _trainer(max_duration="1ep")
+    ref.fit()
+    for kw in ({"grad_accum": 4}, {"device_train_microbatch_size": 4}):
+        other = _trainer(max_duration="1ep", **kw)
+        other.fit()
+        for a, b in zip(ref.state.model.parameters(), other.state.model.parameters()):
+            assert torch.allclose(a, b, atol=1e-6, rtol=0)
+
+
+class OOMAbove(nn.Module):
+    """Raises torch.OutOfMemoryError when a batch has more than `limit` samples, as a GPU would."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.net = _mlp()
+
+    def forward(self, x):
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(f"fake OOM at {x.shape[0]} samples")
+        return self.net(x)
+
+
+def test_auto_microbatching_halves_on_oom_and_matches_given_size():
+    auto = _trainer(model=OOMAbove(4), max_duration="1ep", device_train_microbatch_size="auto")
+    auto.fit()
+    assert auto.options.microbatch == 4
+    fixed = _trainer(model=OOMAbove(4), max_duration="1ep", device_train_microbatch_size=4)
+    fixed.fit()
+    for a, b in zip(auto.state.model.parameters(), fixed.state.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_kiln_model_with_metrics_and_eval():
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Net(kiln.Model):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch[1])
+
+        def get_metrics(self, is_train=False):
+            return {"Accuracy": torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")}
+
+    model = Net()
+    trainer = kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=16),
+                           torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8), max_duration="3ep",
+                           optimizers=torch.optim.Adam(model.parameters(), lr=0.05), progress_bar=False)
+    trainer.fit()
+    results = trainer.eval()
+    x, y = _data(32, seed=1).tensors
+    with torch.no_grad():
+        logits = model.net(x)
+    expected_acc = (logits.argmax(1) == y).float().mean().item()
+    expected_loss = nn.functional.cross_entropy(logits, y).item()
+    assert results["eval/Accuracy"] == pytest.approx(expected_acc, abs=1e-6)
+    assert results["eval/loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert trainer.state.metrics["eval/Accuracy"] == results["eval/Accuracy"]
+    preds = trainer.predict(torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8))
+    assert torch.allclose(torch.cat(preds), logits)
+
+
+def test_stop_training_ends_the_run_cleanly():
+    class StopAt3(kiln.Callback):
+        def batch_end(self, state, logger):
+            if state.timestamp.batch.value == 3:
+                state.stop_training("enough")
+
+    rec = Recorder()
+    trainer = _trainer(max_duration="5ep", callbacks=[StopAt3(), rec])
+    trainer.fit()
+    assert trainer.state.timestamp.batch.value == 3 and trainer.state.stop_reason == "enough"
+    assert rec.events[-1] == Event.FIT_END
+
+
+def test_algorithms_run_before_callbacks_and_reverse_on_after_events():
+    calls = []
+
+    class Alg(kiln.Algorithm):
+        def __init__(self, name):
+            self.name = name
+
+        def match(self, event, state):
+            return event in (Event.BEFORE_FORWARD, Event.AFTER_FORWARD)
+
+        def apply(self, event, state, logger):
+            calls.append((self.name, event))
+
+    class Cb(kiln.Callback):
+        def before_forward(self, state, logger):
+            calls.append(("cb", Event.BEFORE_FORWARD))
+
+    _trainer(max_duration="1ba", algorithms=[Alg("a"), Alg("b")], callbacks=[Cb()]).fit()
+    assert calls == [("a", Event.BEFORE_FORWARD), ("b", Event.BEFORE_FORWARD), ("cb", Event.BEFORE_FORWARD),
+                     ("b", Event.AFTER_FORWARD), ("a", Event.AFTER_FORWARD)]
+
+
+def test_seed_makes_runs_identical_and_deterministic_flag():
+    def run():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        t = kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="2ep",
+                         optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+                         seed=3, progress_bar=False, deterministic=True)
+        t.fit()
+        return [p.detach().clone() for p in model.parameters()]
+    try:
+        a, b = run(), run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_plain_shuffled_dataloader_gets_a_seedable_sampler():
+    trainer = _trainer(train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True),
+                       max_duration="1ep", seed=5)
+    assert isinstance(trainer.train_dataloader.sampler, kiln.launch.ResumableSampler)
+    assert trainer.train_dataloader.sampler.seed == 5
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_duration": "10eps"}, "10eps"),
+    ({"max_duration": "0.5dur"}, "cannot be a fraction of itself"),
+    ({"grad_accum": 0}, "grad_accum=0 must be an integer >= 1"),
+    ({"device_train_microbatch_size": "big"}, "device_train_microbatch_size='big'"),
+    ({"eval_interval": "3sp"}, "eval_interval='3sp' must be"),
+    ({"save_type": "zip"}, "save_type='zip' is not known"),
+    ({"precision": "fp8"}, "precision='fp8' is not known"),
+    ({"strategy": "nope"}, "strategy='nope' is not known"),
+    ({"log_interval": "1ep"}, "log_interval='1ep'"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(**kwargs)
+
+
+def test_plain_module_needs_criterion():
+    with pytest.raises(ValueError, match="pass criterion="):
+        kiln.Trainer(_mlp(), max_duration=1)
+
+
+def test_no_duration_is_an_error():
+    with pytest.raises(ValueError, match="no duration"):
+        _trainer().fit()
