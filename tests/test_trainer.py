@@ -204,6 +204,7 @@ def test_algorithms_run_before_callbacks_and_reverse_on_after_events():
 
 def test_seed_makes_runs_identical_and_deterministic_flag():
     def run():
+        torch.manual_seed(0)  # the model is built before the Trainer seeds anything
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
         t = kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="2ep",
                          optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
