@@ -11,6 +11,21 @@ __all__ = ["DistributedLogger", "get_dist_logger"]
 _LOGGERS: dict[str, "DistributedLogger"] = {}
 
 
+class _StdoutHandler(logging.StreamHandler):
+    # Looks sys.stdout up at each record, so redirections made after the logger was created
+    # (contextlib.redirect_stdout, test capture) are honoured.
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class DistributedLogger:
     """A ``logging.Logger`` that knows its rank; ``ranks=[0]`` logs on rank 0 only.
 
@@ -23,7 +38,7 @@ class DistributedLogger:
     def __init__(self, name: str) -> None:
         self._logger = logging.getLogger(name)
         if not self._logger.handlers:
-            handler = logging.StreamHandler(sys.stdout)
+            handler = _StdoutHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
             self._logger.addHandler(handler)
             self._logger.setLevel(logging.INFO)

@@ -398,7 +398,10 @@ class Trainer:
         if total_loss is not None:
             state.loss = total_loss
         events.run(Event.AFTER_TRAIN_BATCH)
-        engine.optimizer_step()
+        if engine.gradient_accumulation > 1:
+            engine.step()  # a user's Engine (Colossal-AI form) accumulating over its own step() calls
+        else:
+            engine.optimizer_step()
 
     def _log_train(self, ts: Any) -> None:
         opts = self.options
