@@ -88,6 +88,10 @@ class Event(str, Enum):
     EVAL_BATCH_END = "eval_batch_end"
     EVAL_END = "eval_end"
 
+    # Enum's own __hash__ is Python code; the loop looks events up in dicts and sets many times
+    # per batch, so hash them as the strings they are (consistent with str equality).
+    __hash__ = str.__hash__
+
     @property
     def is_after_event(self) -> bool:
         """Whether algorithms run in reverse order on this event."""

@@ -11,6 +11,8 @@ __all__ = ["num_samples", "num_tokens", "split_batch"]
 
 def num_samples(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor."""
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return batch[0].shape[0]  # the common (inputs, targets) case, checked without ABCs: per batch
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.dim() else 1
     if isinstance(batch, (list, tuple)) and batch:
@@ -23,6 +25,8 @@ def num_samples(batch: Any) -> int:
 
 def num_tokens(batch: Any) -> int:
     """Tokens in a batch: ``input_ids.numel()`` for dict batches with input_ids, else 0."""
+    if type(batch) in (tuple, list):
+        return 0
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].numel()
     return 0

@@ -8,6 +8,7 @@ import torch
 
 from kiln.core.event import Event
 from kiln.core.model import Model
+from kiln.trainer.batching import num_samples
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer
@@ -66,7 +67,7 @@ def evaluate(trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_
             outputs = model.eval_forward(batch, outputs)
         state.outputs, state.eval_loss = outputs, loss
         events.run(Event.EVAL_AFTER_FORWARD)
-        loss_metric.update(loss.detach().float(), weight=trainer.count_samples(batch))
+        loss_metric.update(loss.detach().float(), weight=num_samples(batch))
         for metric in user_metrics.values():
             if is_kiln_model:
                 model.update_metric(batch, state.outputs, metric)

@@ -119,6 +119,13 @@ class TrainerOptions:
             return event == Event.EPOCH_END and ts.epoch.value % interval.value == 0
         return event == Event.BATCH_END and ts.batch.value % interval.value == 0
 
+    def evaluates_on(self, event: Event) -> bool:
+        """Whether evaluation can ever be due at ``event`` (so the loop can skip asking per batch)."""
+        interval = self.eval_interval
+        if not isinstance(interval, Time) or interval.unit == TimeUnit.DURATION:
+            return True
+        return (interval.unit == TimeUnit.BATCH) == (event == Event.BATCH_END)
+
     def microbatch_size(self, batch_size: int) -> int:
         if self.microbatch is not None:
             return self.microbatch

@@ -232,10 +232,6 @@ class Trainer:
         """Outputs of the (wrapped) model: ``model(batch)`` for a kiln.Model, else ``model(batch[0])``."""
         return self.engine(batch) if self._is_kiln_model else self.engine(batch[0])
 
-    @staticmethod
-    def count_samples(batch: Any) -> int:
-        return num_samples(batch)
-
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, train_dataloader: Iterable | None = None, duration: int | str | Time | None = None,
             eval_dataloader: Iterable | None = None, epochs: int | None = None, test_dataloader: Iterable | None = None,
@@ -244,7 +240,78 @@ class Trainer:
         """Train until ``max_duration`` (or ``duration`` more, or ``epochs``), evaluating and
         checkpointing as configured. The Colossal-AI arguments (``epochs``, ``test_dataloader``,
         ``test_interval``, ``hooks``, ``display_progress``) work as in its Trainer."""
-        state, events, engine, opts = self.state, self.events, self.engine, self.options
+        hook_callback = self._prepare_fit(train_dataloader, duration, eval_dataloader, epochs, test_dataloader,
+                                          test_interval, hooks, display_progress, reset_time)
+        state, events, opts, progress = self.state, self.events, self.options, self.progress
+        ts, loader = state.timestamp, self.train_dataloader
+        counter = "_" + _COUNTER[state.max_duration.unit]  # the Timestamp field max_duration counts
+        limit, by_epoch = state.max_duration.value, state.max_duration.unit == TimeUnit.EPOCH
+        # Events nobody listens to are skipped with one set lookup: the loop's per-batch cost
+        # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
+        active, run = events.active, events.run
+        move = self.engine.device.type != "cpu"
+        evaluate_batches = self.eval_dataloader is not None and opts.evaluates_on(Event.BATCH_END)
+        resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
+        try:
+            run(Event.FIT_START)
+            state._stop, state.stop_reason = False, None
+            while not state._stop and getattr(ts, counter) < limit:
+                iterator = self._start_epoch(loader, resume_skip)
+                resume_skip = 0
+                batch = None
+                while True:
+                    if _BEFORE_DATALOADER in active:
+                        run(_BEFORE_DATALOADER)
+                    start = time.perf_counter()
+                    batch = next(iterator, None)
+                    if batch is None:
+                        break
+                    state.batch = move_to_device(batch, self.engine.device) if move else batch
+                    if _AFTER_DATALOADER in active:
+                        run(_AFTER_DATALOADER)
+                    if _BATCH_START in active:
+                        run(_BATCH_START)
+                    samples = self._train_batch()
+                    ts.advance_batch(samples, num_tokens(state.batch), time.perf_counter() - start)
+                    for scheduler in self._per_batch_schedulers:
+                        scheduler.step()
+                    if _BATCH_END in active:
+                        run(_BATCH_END)
+                    if self.logger.destinations and ts._batch % opts.log_every == 0:
+                        self._log_train()
+                    if progress._bar is not None:
+                        progress.update(state)
+                    if _BATCH_CHECKPOINT in active:
+                        run(_BATCH_CHECKPOINT)
+                    if evaluate_batches and opts.eval_due(state, Event.BATCH_END):
+                        self.eval()
+                    if state._stop or (not by_epoch and getattr(ts, counter) >= limit):
+                        break
+                if batch is not None or state._stop:
+                    continue  # stopped inside the epoch: the while condition ends the run
+                if ts.batch_in_epoch.value == 0:
+                    raise ValueError("the training dataloader produced no batches; check its length and drop_last")
+                progress.end_epoch(state)
+                ts.advance_epoch()
+                for scheduler in self._per_epoch_schedulers:
+                    scheduler.step()
+                run(Event.EPOCH_END)
+                run(Event.EPOCH_CHECKPOINT)
+                if self.eval_dataloader is not None and opts.eval_due(state, Event.EPOCH_END):
+                    self.eval()
+            run(Event.FIT_END)
+            self.logger.flush()
+        finally:
+            if hook_callback is not None:
+                state.callbacks.remove(hook_callback)
+                events.rebuild()
+            progress.close()
+
+    def _prepare_fit(self, train_dataloader: Any, duration: Any, eval_dataloader: Any, epochs: Any,
+                     test_dataloader: Any, test_interval: int, hooks: Any, display_progress: Any,
+                     reset_time: bool) -> Any:
+        """Apply fit()'s arguments to the Trainer; returns the Colossal-AI hook callback, if any."""
+        state, opts = self.state, self.options
         if train_dataloader is not None:
             self._set_train_dataloader(train_dataloader)
         if eval_dataloader is not None or test_dataloader is not None:
@@ -270,77 +337,26 @@ class Trainer:
 
             hook_callback = ColossalHookCallback(hooks, self)
             state.callbacks.append(hook_callback)
-        events.rebuild()
-        try:
-            self._fit_loop()
-        finally:
-            if hook_callback is not None:
-                state.callbacks.remove(hook_callback)
-                events.rebuild()
-            self.progress.close()
+        self.events.rebuild()
+        return hook_callback
 
-    def _fit_loop(self) -> None:
-        state, events, opts = self.state, self.events, self.options
-        ts = state.timestamp
-        unit, limit = state.max_duration.unit, state.max_duration.value
-        events.run(Event.FIT_START)
-        state._stop, state.stop_reason = False, None
-        loader = self.train_dataloader
-        resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
-        while not self._done(unit, limit):
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(ts.epoch.value)
-            skip_in_loader = resume_skip and hasattr(sampler, "skip")
-            if skip_in_loader:  # the sampler starts after the consumed samples: nothing is replayed
-                sampler.skip(resume_skip * self._batch_size(loader))
-            if not resume_skip:
-                events.run(Event.EPOCH_START)
-            self.progress.start_epoch(state)
-            iterator = iter(loader)
-            if resume_skip and not skip_in_loader:
-                for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
-                    next(iterator, None)
-            resume_skip = 0
-            while True:
-                events.run(Event.BEFORE_DATALOADER)
-                start = time.perf_counter()
-                batch = next(iterator, None)
-                if batch is None:
-                    break
-                state.batch = self.to_device(batch)
-                events.run(Event.AFTER_DATALOADER)
-                events.run(Event.BATCH_START)
-                self._train_batch()
-                ts.advance_batch(num_samples(state.batch), num_tokens(state.batch), time.perf_counter() - start)
-                for scheduler in self._per_batch_schedulers:
-                    scheduler.step()
-                events.run(Event.BATCH_END)
-                self._log_train(ts)
-                self.progress.update(state)
-                events.run(Event.BATCH_CHECKPOINT)
-                if self.eval_dataloader is not None and opts.eval_due(state, Event.BATCH_END):
-                    self.eval()
-                if state.stopped or (unit != TimeUnit.EPOCH and getattr(ts, "_" + _COUNTER[unit]) >= limit):
-                    break
-            if state.timestamp.batch_in_epoch.value == 0 and not state.stopped:
-                break  # an empty dataloader would loop forever
-            if batch is None:  # the epoch ran to its end
-                self.progress.end_epoch(state)
-                ts.advance_epoch()
-                for scheduler in self._per_epoch_schedulers:
-                    scheduler.step()
-                events.run(Event.EPOCH_END)
-                events.run(Event.EPOCH_CHECKPOINT)
-                if self.eval_dataloader is not None and opts.eval_due(state, Event.EPOCH_END):
-                    self.eval()
-            if state.stopped:
-                break
-        events.run(Event.FIT_END)
-        self.logger.flush()
-
-    def _done(self, unit: TimeUnit, limit: int | float) -> bool:
-        return self.state.stopped or getattr(self.state.timestamp, "_" + _COUNTER[unit]) >= limit
+    def _start_epoch(self, loader: Any, resume_skip: int) -> Any:
+        """Position the sampler for this epoch (and a mid-epoch resume); returns the iterator."""
+        state = self.state
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(state.timestamp.epoch.value)
+        skip_in_sampler = resume_skip and hasattr(sampler, "skip")
+        if skip_in_sampler:  # the sampler starts after the consumed samples: nothing is replayed
+            sampler.skip(resume_skip * self._batch_size(loader))
+        if not resume_skip:
+            self.events.run(Event.EPOCH_START)
+        self.progress.start_epoch(state)
+        iterator = iter(loader)
+        if resume_skip and not skip_in_sampler:
+            for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
+                next(iterator, None)
+        return iterator
 
     @staticmethod
     def _batch_size(loader: Any) -> int:
@@ -349,30 +365,40 @@ class Trainer:
             raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
         return size
 
-    def _train_batch(self) -> None:
-        """One optimizer step over ``state.batch``: microbatches with their events, then the step."""
-        state, events, engine = self.state, self.events, self.engine
-        events.run(Event.BEFORE_TRAIN_BATCH)
+    def _train_batch(self) -> int:
+        """One optimizer step over ``state.batch``: microbatches with their events, then the step.
+
+        Returns the number of samples in the batch.
+        """
+        state, events, engine, opts = self.state, self.events, self.engine, self.options
+        active, run = events.active, events.run
+        if _BEFORE_TRAIN_BATCH in active:
+            run(_BEFORE_TRAIN_BATCH)
         batch = state.batch
         batch_size = num_samples(batch)
         while True:
-            microbatch_size = self.options.microbatch_size(batch_size)
+            microbatch_size = opts.microbatch_size(batch_size)
             try:
                 engine.zero_grad()
-                microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else [batch]
+                microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
                 count = len(microbatches)
                 total_loss = None
                 for index, microbatch in enumerate(microbatches):
                     if count > 1:  # only the last microbatch's backward all-reduces
                         engine.strategy.set_grad_sync(engine.model, index == count - 1)
                     state.batch = microbatch
-                    events.run(Event.BEFORE_FORWARD)
+                    if _BEFORE_FORWARD in active:
+                        run(_BEFORE_FORWARD)
                     state.outputs = self.forward(state.batch)
-                    events.run(Event.AFTER_FORWARD)
-                    events.run(Event.BEFORE_LOSS)
+                    if _AFTER_FORWARD in active:
+                        run(_AFTER_FORWARD)
+                    if _BEFORE_LOSS in active:
+                        run(_BEFORE_LOSS)
                     state.loss = self.loss_fn(state.outputs, state.batch)
-                    events.run(Event.AFTER_LOSS)
-                    events.run(Event.BEFORE_BACKWARD)
+                    if _AFTER_LOSS in active:
+                        run(_AFTER_LOSS)
+                    if _BEFORE_BACKWARD in active:
+                        run(_BEFORE_BACKWARD)
                     if count > 1:
                         weight = num_samples(state.batch) / batch_size
                         engine.backward(state.loss, weight=weight)
@@ -381,32 +407,34 @@ class Trainer:
                         total_loss = part if total_loss is None else total_loss + part
                     else:
                         engine.backward(state.loss)
-                    events.run(Event.AFTER_BACKWARD)
-                if self.options.auto_microbatch and self.options.any_rank_oom(False):
-                    self.options.halve_microbatch(batch_size)  # another rank ran out of memory:
+                    if _AFTER_BACKWARD in active:
+                        run(_AFTER_BACKWARD)
+                if opts.auto_microbatch and opts.any_rank_oom(False):
+                    opts.halve_microbatch(batch_size)  # another rank ran out of memory:
                     continue  # retry this batch with the same, smaller microbatch everywhere
                 break
             except torch.OutOfMemoryError:
-                if not self.options.auto_microbatch:
+                if not opts.auto_microbatch:
                     raise
-                self.options.any_rank_oom(True)
-                self.options.halve_microbatch(batch_size)
+                opts.any_rank_oom(True)
+                opts.halve_microbatch(batch_size)
                 state.outputs = state.loss = None
                 if engine.device.type == "cuda":
                     torch.cuda.empty_cache()
         state.batch = batch
         if total_loss is not None:
             state.loss = total_loss
-        events.run(Event.AFTER_TRAIN_BATCH)
+        if _AFTER_TRAIN_BATCH in active:
+            run(_AFTER_TRAIN_BATCH)
         if engine.gradient_accumulation > 1:
             engine.step()  # a user's Engine (Colossal-AI form) accumulating over its own step() calls
         else:
             engine.optimizer_step()
+        return batch_size
 
-    def _log_train(self, ts: Any) -> None:
-        opts = self.options
-        if not self.logger.destinations or ts._batch % opts.log_every != 0:
-            return
+    def _log_train(self) -> None:
+        """Log train/loss (averaged across ranks) and train/lr; called every log_interval batches."""
+        ts = self.state.timestamp
         loss = self.state.loss.detach()
         if self.state.world_size > 1:  # averaged across ranks, only when a logger will write it
             import torch.distributed as dist
@@ -475,6 +503,14 @@ class Trainer:
     def steps_per_epoch(self) -> int | None:
         return self.state.dataloader_len
 
+
+# Module-level aliases: reading an Enum member through its class costs more than a global.
+_BEFORE_DATALOADER, _AFTER_DATALOADER, _BATCH_START = Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START
+_BEFORE_TRAIN_BATCH, _AFTER_TRAIN_BATCH = Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH
+_BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
+_BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
+_BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
+_BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
 _COUNTER = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch", TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
             TimeUnit.SECOND: "total_wct"}
