@@ -69,8 +69,17 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from torch.distributed.run import main as torchrun_main
 
+    if not args.module and not Path(args.script).is_file():
+        print(f"kiln run: script {args.script!r} does not exist (pass a Python file, or -m for a module)", file=sys.stderr)
+        return 2
+    if not str(args.nproc_per_node).isdigit() and args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu"):
+        print(f"kiln run: -n {args.nproc_per_node!r} is not a process count; expected an integer or auto/cpu/gpu",
+              file=sys.stderr)
+        return 2
     try:
         argv = torchrun_args(args)
     except ValueError as exc:

@@ -1,0 +1,50 @@
+"""`kiln run`: torchrun arguments, and clear exits on bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kiln.cli.main import build_parser
+from kiln.cli.run import torchrun_args
+
+
+def _args(*argv):
+    return build_parser().parse_args(["run", *argv])
+
+
+def test_single_node_uses_standalone_rendezvous():
+    assert torchrun_args(_args("-n", "2", "train.py", "--lr", "0.1")) == [
+        "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0", "--standalone", "train.py", "--lr", "0.1"]
+
+
+def test_multi_node_options_pass_through():
+    argv = torchrun_args(_args("-n", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "host:29400",
+                               "--max-restarts", "3", "train.py"))
+    assert argv == ["--nproc-per-node=4", "--nnodes=2", "--max-restarts=3", "--rdzv-endpoint=host:29400",
+                    "--rdzv-backend=c10d", "--node-rank=1", "train.py"]
+
+
+def _kiln(*argv):
+    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_missing_script_exits_2_with_one_line(tmp_path):
+    result = _kiln("run", "-n", "2", str(tmp_path / "nope.py"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"kiln run: script '{tmp_path / 'nope.py'}' does not exist "
+                                                  "(pass a Python file, or -m for a module)"]
+
+
+def test_bad_process_count_exits_2(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    result = _kiln("run", "-n", "two", str(script))
+    assert result.returncode == 2 and "-n 'two' is not a process count" in result.stderr
+
+
+def test_failing_worker_propagates_nonzero_status(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    result = _kiln("run", "-n", "1", str(script))
+    assert result.returncode != 0
