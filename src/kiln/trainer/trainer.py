@@ -249,7 +249,7 @@ class Trainer:
         # Events nobody listens to are skipped with one set lookup: the loop's per-batch cost
         # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
         active, run = events.active, events.run
-        move = self.engine.device.type != "cpu"
+        move, world = self.engine.device.type != "cpu", state.world_size
         evaluate_batches = self.eval_dataloader is not None and opts.evaluates_on(Event.BATCH_END)
         resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
         try:
@@ -272,7 +272,10 @@ class Trainer:
                     if _BATCH_START in active:
                         run(_BATCH_START)
                     samples = self._train_batch()
-                    ts.advance_batch(samples, num_tokens(state.batch), time.perf_counter() - start)
+                    # Every rank's batch counts (as Composer counts), without a collective: the
+                    # samplers give every rank the same number of samples per batch.
+                    ts.advance_batch(samples * world, num_tokens(state.batch) * world, time.perf_counter() - start)
+                    state.metrics["train/loss"] = state.loss
                     for scheduler in self._per_batch_schedulers:
                         scheduler.step()
                     if _BATCH_END in active:
