@@ -249,3 +249,11 @@ def test_plain_module_needs_criterion():
 def test_no_duration_is_an_error():
     with pytest.raises(ValueError, match="no duration"):
         _trainer().fit()
+
+
+def test_clip_grad_norm_and_gradient_clipping_algorithm_are_exclusive():
+    from kiln.algorithms import GradientClipping
+
+    with pytest.raises(ValueError, match="clip_grad_norm= and the GradientClipping algorithm"):
+        _trainer(max_duration=1, clip_grad_norm=1.0,
+                 algorithms=[GradientClipping(clipping_type="norm", clipping_threshold=1.0)])

@@ -167,9 +167,11 @@ class Trainer:
     # -- construction helpers -----------------------------------------------------------------
     def _check_algorithms(self) -> None:
         if self.state.algorithms:
-            from kiln.algorithms import check_algorithm_compatibility
+            from kiln.algorithms import GradientClipping, check_algorithm_compatibility
 
             check_algorithm_compatibility(self.state.algorithms)
+            if self.engine.clip_grad_norm is not None and any(isinstance(a, GradientClipping) for a in self.state.algorithms):
+                raise ValueError("clip_grad_norm= and the GradientClipping algorithm both clip gradients; keep one of them")
 
     def _set_train_dataloader(self, loader: Iterable | None) -> None:
         if loader is None:
@@ -271,11 +273,13 @@ class Trainer:
                         run(_AFTER_DATALOADER)
                     if _BATCH_START in active:
                         run(_BATCH_START)
-                    samples = self._train_batch()
-                    # Every rank's batch counts (as Composer counts), without a collective: the
-                    # samplers give every rank the same number of samples per batch.
-                    ts.advance_batch(samples * world, num_tokens(state.batch) * world, time.perf_counter() - start)
-                    state.metrics["train/loss"] = state.loss
+                    # Counted as the dataloader gave it (an algorithm may shrink the batch), for
+                    # every rank as Composer counts, without a collective: the samplers give every
+                    # rank the same number of samples per batch.
+                    samples, tokens = num_samples(state.batch) * world, num_tokens(state.batch) * world
+                    self._train_batch()
+                    ts.advance_batch(samples, tokens, time.perf_counter() - start)
+                    state.metrics["train/loss"] = state.loss.detach()
                     for scheduler in self._per_batch_schedulers:
                         scheduler.step()
                     if _BATCH_END in active:
@@ -368,11 +372,8 @@ class Trainer:
             raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
         return size
 
-    def _train_batch(self) -> int:
-        """One optimizer step over ``state.batch``: microbatches with their events, then the step.
-
-        Returns the number of samples in the batch.
-        """
+    def _train_batch(self) -> None:
+        """One optimizer step over ``state.batch``: microbatches with their events, then the step."""
         state, events, engine, opts = self.state, self.events, self.engine, self.options
         active, run = events.active, events.run
         if _BEFORE_TRAIN_BATCH in active:
@@ -433,7 +434,6 @@ class Trainer:
             engine.step()  # a user's Engine (Colossal-AI form) accumulating over its own step() calls
         else:
             engine.optimizer_step()
-        return batch_size
 
     def _log_train(self) -> None:
         """Log train/loss (averaged across ranks) and train/lr; called every log_interval batches."""
