@@ -6,6 +6,7 @@ the constructor's keyword arguments; a value that must not be type-guessed is a 
 
     {"model_config": {"__type": "my_pkg.ModelConfig", "dim": 16}}
     {"name": {"__value_type": "str", "value": "1"}}
+    {"fn": {"__value_type": "function", "value": "math.sqrt"}}   # the function itself
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from typing import Any
 
 from kiln.config.overrides import ConfigError, close_match
 
-__all__ = ["TYPE_KEY", "VALUE_KEY", "VALUE_TYPE_KEY", "build_value", "import_type"]
+__all__ = ["TYPE_KEY", "VALUE_KEY", "VALUE_TYPE_KEY", "build_value", "check_arguments", "check_value",
+           "import_type"]
 
 TYPE_KEY = "__type"
 VALUE_TYPE_KEY = "__value_type"
 VALUE_KEY = "value"
+FUNCTION_VALUE_TYPE = "function"
 
 
 def _sub(path: str, key: Any) -> str:
@@ -96,30 +99,52 @@ def _rejected_keywords(factory: Callable[..., Any], kwargs: dict[str, Any],
     return [k for k in kwargs if k not in accepted]
 
 
+def _signature(factory: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins such as datetime.timedelta may have none
+        return None
+
+
+def _argument_error(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str, name: str,
+                    error: Exception) -> ConfigError:
+    signature = _signature(factory)
+    rejected = _rejected_keywords(factory, kwargs, error) if isinstance(error, TypeError) else []
+    if rejected:
+        names = ", ".join(repr(k) for k in rejected)
+        candidates = list(signature.parameters) if signature is not None else []
+        hints = [f"{k!r} -> {m!r}" for k in rejected if (m := close_match(k, candidates))]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        return ConfigError(f"{path}: {name} does not accept argument(s) {names}{hint}", path=path)
+    given = ", ".join([*(repr(a) for a in args), *kwargs]) or "no arguments"
+    return ConfigError(f"{path}: {name} rejected its arguments ({given}): {error}", path=path)
+
+
+def check_arguments(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str,
+                    name: str) -> None:
+    """Check that ``factory(*args, **kwargs)`` binds to its signature, without calling it.
+
+    Raises:
+        ConfigError: naming ``path``, the rejected argument and a close match, or a missing one.
+    """
+    signature = _signature(factory)
+    if signature is None:
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise _argument_error(factory, args, kwargs, path, name, e) from e
+
+
 def _call(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str,
           name: str) -> Any:
+    # Check the arguments first, so a TypeError raised inside the constructor is not mistaken
+    # for a bad argument list.
+    check_arguments(factory, args, kwargs, path, name)
     try:
-        signature: inspect.Signature | None = inspect.signature(factory)
-    except (TypeError, ValueError):
-        signature = None
-    try:
-        if signature is not None:
-            # Check the arguments first, so a TypeError raised inside the constructor is not
-            # mistaken for a bad argument list.
-            signature.bind(*args, **kwargs)
         return factory(*args, **kwargs)
     except (TypeError, ValueError) as e:
-        rejected = _rejected_keywords(factory, kwargs, e) if isinstance(e, TypeError) else []
-        if rejected:
-            names = ", ".join(repr(k) for k in rejected)
-            candidates = list(signature.parameters) if signature is not None else []
-            hints = [f"{k!r} -> {m!r}" for k in rejected if (m := close_match(k, candidates))]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-            message = f"{path}: {name} does not accept argument(s) {names}{hint}"
-        else:
-            given = ", ".join([*(repr(a) for a in args), *kwargs]) or "no arguments"
-            message = f"{path}: {name} rejected its arguments ({given}): {e}"
-        raise ConfigError(message, path=path) from e
+        raise _argument_error(factory, args, kwargs, path, name, e) from e
 
 
 def build_value(obj: Any, path: str = "") -> Any:
@@ -152,6 +177,8 @@ def build_value(obj: Any, path: str = "") -> Any:
                     f"{path or 'config'}: {problem}, expected exactly the keys "
                     f"{VALUE_TYPE_KEY!r} and {VALUE_KEY!r}", path=path)
             name = obj[VALUE_TYPE_KEY]
+            if name == FUNCTION_VALUE_TYPE:  # nnScaler: the value names a function to pass as it is
+                return import_type(obj[VALUE_KEY], _sub(path, VALUE_KEY))
             value_type = import_type(name, _sub(path, VALUE_TYPE_KEY))
             value = build_value(obj[VALUE_KEY], _sub(path, VALUE_KEY))
             return _call(value_type, [value], {}, path or "config", str(name))
@@ -161,3 +188,27 @@ def build_value(obj: Any, path: str = "") -> Any:
     if isinstance(obj, tuple):
         return tuple(build_value(v, _sub(path, i)) for i, v in enumerate(obj))
     return obj
+
+
+def check_value(obj: Any, path: str = "") -> None:
+    """Check what :func:`build_value` would build, without building it: every ``__type`` and
+    ``__value_type`` imports, and ``__type`` arguments bind to the constructor's signature."""
+    if isinstance(obj, dict):
+        if TYPE_KEY in obj:
+            factory = import_type(obj[TYPE_KEY], _sub(path, TYPE_KEY))
+            kwargs = {k: v for k, v in obj.items() if k != TYPE_KEY}
+            for k, v in kwargs.items():
+                check_value(v, _sub(path, k))
+            check_arguments(factory, [], {str(k): v for k, v in kwargs.items()}, path or "config", str(obj[TYPE_KEY]))
+        elif VALUE_TYPE_KEY in obj:
+            if obj[VALUE_TYPE_KEY] == FUNCTION_VALUE_TYPE:
+                import_type(obj.get(VALUE_KEY), _sub(path, VALUE_KEY))
+            else:
+                import_type(obj[VALUE_TYPE_KEY], _sub(path, VALUE_TYPE_KEY))
+                check_value(obj.get(VALUE_KEY), _sub(path, VALUE_KEY))
+        else:
+            for k, v in obj.items():
+                check_value(v, _sub(path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_value(v, _sub(path, i))

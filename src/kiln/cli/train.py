@@ -1,0 +1,170 @@
+"""`kiln train -f run.yaml [--dotted.key value ...] [--nproc-per-node N] [--print-config]`.
+
+The whole config is read and checked first (types, batch arithmetic, imports, constructor
+arguments, the resume path): a mistake exits with status 2 and one line on stderr, before any
+process group, file or directory exists (``KILN_DEBUG=1`` adds the traceback). Then:
+
+* ``--print-config`` prints the fully resolved YAML, which ``-f`` accepts back unchanged;
+* ``--nproc-per-node N`` starts N copies of this command through torch.distributed.run (via
+  ``kiln run``); under torchrun (or ``kiln run``) the existing group is joined with
+  ``kiln.launch_from_torch``; otherwise it runs as one process;
+* the Trainer is built from the config (:func:`kiln.config.build_trainer`) and fitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+import typing
+
+from kiln.config.args import TrainerArgs, dump_yaml, load_trainer_args
+from kiln.config.overrides import ConfigError, format_error
+from kiln.config.types import field_docs, type_name
+
+__all__ = ["add_parser", "fields_help", "train"]
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _field_lines(cls: type, prefix: str = "") -> list[str]:
+    lines: list[str] = []
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        annotation, name = hints[f.name], f"{prefix}{f.name}"
+        element = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        nested = [a for a in arms if dataclasses.is_dataclass(a)] if element is None else []
+        if nested:
+            optional = " | None" if type(None) in typing.get_args(annotation) else ""
+            kinds = " | ".join(a.__name__ for a in nested) + optional
+            lines.append(f"  --{name}  ({kinds}): {docs.get(f.name, '')}")
+            for cls_ in nested:
+                lines += _field_lines(cls_, f"{name}.")
+        elif element is not None and dataclasses.is_dataclass(element):
+            lines.append(f"  --{name}  (list[{element.__name__}], default []): {docs.get(f.name, '')}")
+            lines += _field_lines(element, f"{name}.N.")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"  --{name}  ({type_name(annotation)}, default {default!r}): {docs.get(f.name, '')}")
+    return lines
+
+
+def fields_help() -> str:
+    """Every TrainerArgs field with its type, default and one-line doc, as ``kiln train --help`` shows."""
+    return "config fields (YAML keys; override any with --dotted.key VALUE):\n" + "\n".join(_field_lines(TrainerArgs))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="train from a YAML config of TrainerArgs (nnScaler style)",
+        description="Train from a YAML file of TrainerArgs. Any field can be overridden: --a.b.c VALUE or "
+                    "--a.b.c=VALUE (values guessed with ast.literal_eval unless the field is a string), "
+                    "--list.0.key VALUE for list items, --a.b! to delete a key; '-' and '_' are the same in keys; "
+                    "$(a.b) in a value refers to another field.",
+        epilog=fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("-f", "--file", required=True, help="the YAML config file")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
+                   help="start N processes on this node with torch.distributed.run (an int, or 'gpu')")
+    p.add_argument("--print-config", "--print_config", dest="print_config", action="store_true",
+                   help="print the fully resolved config as YAML and exit")
+    p.set_defaults(func=train, accepts_extra=True)
+
+
+def _nproc(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if value in ("gpu", "auto"):
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(format_error("--nproc-per-node", value, "a positive int or 'gpu'"), path="--nproc-per-node")
+    return n
+
+
+def _world_size(nproc: int | None) -> int:
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if nproc is not None and local is not None and int(local) != nproc:
+            raise ConfigError(format_error("--nproc-per-node", nproc, f"{local} (this process already runs under "
+                                           f"torchrun with LOCAL_WORLD_SIZE={local}) or nothing"),
+                              path="--nproc-per-node")
+        return world
+    return nproc or 1
+
+
+def _relaunch(args: argparse.Namespace, nproc: int) -> int:
+    """This command again on ``nproc`` processes, through ``kiln run`` (torch.distributed.run)."""
+    from kiln.cli.run import run
+
+    argv = ["train", "-f", args.file, *args.extra]
+    ns = argparse.Namespace(nproc_per_node=str(nproc), nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_id=None,
+                            rdzv_backend=None, max_restarts=0, master_addr=None, master_port=None, log_dir=None,
+                            redirects=None, tee=None, module=True, script="kiln.cli.main", script_args=argv)
+    return run(ns)
+
+
+def _fail(error: BaseException) -> int:
+    if os.environ.get("KILN_DEBUG") == "1":
+        traceback.print_exception(error)
+    print(f"kiln train: error: {error}", file=sys.stderr)
+    return 2
+
+
+def train(args: argparse.Namespace) -> int:
+    """The ``kiln train`` command: check, then print, relaunch, or build and fit the Trainer."""
+    if os.getcwd() not in sys.path:  # components resolve from the working directory, as with python -m
+        sys.path.insert(0, os.getcwd())
+    extra = list(getattr(args, "extra", []))
+    try:
+        nproc = _nproc(args.nproc_per_node)
+        world = _world_size(nproc)
+        trainer_args = load_trainer_args(args.file, extra, world_size=world)
+    except ConfigError as e:
+        return _fail(e)
+    if args.print_config:
+        sys.stdout.write(dump_yaml(trainer_args))
+        return 0
+    if nproc is not None and not _under_torchrun():
+        return _relaunch(args, nproc)
+    return run_training(trainer_args)
+
+
+def run_training(trainer_args: TrainerArgs) -> int:
+    """Join the launcher's process group (or run alone), build the Trainer and fit it."""
+    import kiln
+    from kiln.config.trainer_builder import build_trainer
+
+    kiln.launch_from_torch() if _under_torchrun() else kiln.launch(world_size=1)
+    trainer = build_trainer(trainer_args)
+    try:
+        if trainer_args.run_mode == "compile":
+            _summary(trainer, trainer_args)
+        else:
+            trainer.fit()
+    finally:
+        trainer.close()
+    return 0
+
+
+def _summary(trainer: object, args: TrainerArgs) -> None:
+    state = trainer.state  # type: ignore[attr-defined]
+    if state.rank != 0:
+        return
+    params = sum(p.numel() for p in state.model.parameters())
+    print(f"kiln train (compile): model {type(state.model).__name__} with {params:,} parameters; "
+          f"strategy {trainer.engine.strategy!r}; precision {trainer.engine.precision.name}; "  # type: ignore[attr-defined]
+          f"world {state.world_size}; micro_batch_size {args.micro_batch_size} x "
+          f"grad_accumulation_steps {args.grad_accumulation_steps} x data-parallel "
+          f"{args.data_parallel_size(state.world_size)} = global_batch_size {args.global_batch_size}")

@@ -1,0 +1,100 @@
+"""``compute_config``: kiln's strategy and mesh sizes, and nnScaler's compute config mapped onto them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.config.components import check_count
+from kiln.config.overrides import ConfigError, close_match, format_error
+from kiln.config.types import check_fields
+
+__all__ = ["PAS_POLICIES", "ComputeConfig"]
+
+PAS_POLICIES = {"autodist": "auto", "dp": "ddp", "data": "ddp", "hybrid": "hybrid"}
+
+
+@dataclass(kw_only=True)
+class ComputeConfig:
+    """Where and how the model runs: kiln's strategy and mesh, and nnScaler's compute config.
+
+    Args:
+        strategy: a kiln.parallel strategy name (null: from pas_policy; 'autodist' is 'auto').
+        strategy_options: keyword options of the strategy.
+        dp_replicate: data-parallel replicas of a hybrid mesh.
+        dp_shard: data-parallel shards of a hybrid mesh (-1: the rest of the world).
+        tp: tensor-parallel degree (a value above 1 selects the hybrid strategy).
+        pp: pipeline-parallel degree (a value above 1 selects the hybrid strategy).
+        plan_ngpus: processes that hold one model replica (nnScaler); the rest is data parallel.
+        runtime_ngpus: the world size this config is for; must equal the real world size when set.
+        use_zero: shard optimizer state across data-parallel ranks (ZeRO-1: 'ddp' becomes 'zero1').
+        zero_ngroups: nnScaler's ZeRO groups; only 1 is supported.
+        use_end2end: the model's forward(batch) returns the loss (null: inferred from model and criterion).
+        constant_folding: nnScaler code generation; accepted, no effect in kiln.
+        trace_strategy: nnScaler code generation; accepted, no effect in kiln.
+        use_async_reducer: nnScaler reducer option; accepted, no effect in kiln.
+        reducer_bucket_cap_mb: nnScaler reducer option; accepted, no effect in kiln.
+        zero_use_reduce_scatter: nnScaler ZeRO option; accepted, no effect in kiln.
+        inference_only: nnScaler option; must be false for training.
+        pas_config: options of nnScaler's parallel policy; accepted, no effect in kiln.
+        user_config: free-form user values (kept in the printed config).
+    """
+
+    strategy: str | None = None
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    plan_ngpus: int | None = None
+    runtime_ngpus: int | None = None
+    use_zero: bool = False
+    zero_ngroups: int = 1
+    use_end2end: bool | None = None
+    constant_folding: bool = False
+    trace_strategy: str | None = None
+    use_async_reducer: bool = False
+    reducer_bucket_cap_mb: float | None = None
+    zero_use_reduce_scatter: bool = False
+    inference_only: bool = False
+    pas_config: dict[str, Any] = field(default_factory=dict)
+    user_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        for name in ("dp_replicate", "tp", "pp", "plan_ngpus", "runtime_ngpus"):
+            check_count(self, name)
+        check_count(self, "dp_shard", also=(-1,))
+        if self.zero_ngroups != 1:
+            raise ConfigError(format_error("zero_ngroups", self.zero_ngroups, "1 (kiln shards over the whole "
+                                           "data-parallel group)"), path="zero_ngroups")
+        if self.inference_only:
+            raise ConfigError(format_error("inference_only", True, "false: kiln train trains"), path="inference_only")
+
+    @property
+    def mesh_size(self) -> int:
+        """Processes per model replica: ``plan_ngpus`` if set, else ``tp * pp``."""
+        return self.plan_ngpus or self.tp * self.pp
+
+    def strategy_name(self, pas_policy: str, world_size: int) -> str:
+        """The kiln strategy this config asks for (before ``"auto"`` is resolved by the world)."""
+        if self.strategy is not None:
+            name, path, value = self.strategy, "compute_config.strategy", self.strategy
+        elif self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 or self.dp_shard != -1:
+            name, path, value = "hybrid", "compute_config.tp", self.tp
+        else:
+            if pas_policy not in PAS_POLICIES:
+                raise ConfigError(format_error("pas_policy", pas_policy, "one of " + ", ".join(PAS_POLICIES)
+                                               + " (or set compute_config.strategy)"), path="pas_policy")
+            name, path, value = PAS_POLICIES[pas_policy], "pas_policy", pas_policy
+        if self.use_zero and (name == "ddp" or (name == "auto" and world_size > 1)):
+            name, path, value = "zero1", "compute_config.use_zero", True
+        from kiln.parallel import strategy_names
+
+        known = strategy_names()
+        if name not in known:
+            match = close_match(name, known)
+            hint = f" (did you mean {match!r}?)" if match else ""
+            raise ConfigError(format_error(path, value, f"a config for a known strategy; strategy {name!r} is not "
+                                           f"one of {', '.join(known)}") + hint, path=path)
+        return name
