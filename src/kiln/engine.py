@@ -72,6 +72,11 @@ class Engine:
         self.precision = get_precision(precision)
         self.strategy = get_strategy(strategy, self.ctx)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
+        # Pipeline parallelism runs forward, loss and backward of all microbatches in one schedule
+        # step: engine(x) defers, criterion() records, backward() runs it (kiln.parallel.pipeline).
+        self._pipeline = getattr(self.strategy, "pipeline", None)
+        # which batch this rank reads: tensor and pipeline groups share one
+        self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion
         self.clip_grad_norm = clip_grad_norm
         self.scaler = self.precision.make_scaler(self.ctx.device)
@@ -104,6 +109,8 @@ class Engine:
             raise RuntimeError("this Engine has no criterion; pass criterion= to kiln.initialize")
         if self._move:
             args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
+        if self._pipeline is not None:  # the loss is computed on the last stage inside backward()
+            return self._pipeline.defer_loss(self._criterion, *args, **kwargs)
         if self._autocast:
             with self.precision.autocast(self.device):
                 return self._criterion(*args, **kwargs)
@@ -112,6 +119,10 @@ class Engine:
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
         """Backward of ``loss`` divided by the accumulation count (or times ``weight`` when given,
         which the Trainer uses for microbatches of unequal size), scaled for fp16."""
+        if self._pipeline is not None:  # the schedule applies the same scales per microbatch
+            scale = weight if weight is not None else 1.0 / self._accum
+            self._pipeline.backward(loss, scale=scale, scaler=self.scaler)
+            return
         if weight is not None:
             loss = loss * weight
         elif self._accum > 1:
@@ -257,8 +268,9 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     gradient_accumulation=cfg.get("gradient_accumulation", 1),
                     clip_grad_norm=cfg.get("clip_grad_norm"), ctx=ctx)
     seed = cfg.get("seed", 1024)
-    train_dataloader = ensure_distributed_sampler(train_dataloader, seed=seed)
-    test_dataloader = ensure_distributed_sampler(test_dataloader, seed=seed)
+    dp = engine.data_parallel_size, engine.data_parallel_rank
+    train_dataloader = ensure_distributed_sampler(train_dataloader, seed, *dp)
+    test_dataloader = ensure_distributed_sampler(test_dataloader, seed, *dp)
     if lr_scheduler is not None and engine.gradient_accumulation > 1:
         lr_scheduler = GradAccumLRScheduler(lr_scheduler, engine.gradient_accumulation)
     return engine, train_dataloader, test_dataloader, lr_scheduler

@@ -88,18 +88,21 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024) -> DataLoader | None:
-    """Return ``loader``, rebuilt with a :class:`ResumableSampler` if the world is larger than one
-    and it has none, keeping its shuffling, batch size and worker settings."""
-    if context().world_size == 1:
+def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024, num_replicas: int | None = None,
+                               rank: int | None = None) -> DataLoader | None:
+    """Return ``loader``, rebuilt with a :class:`ResumableSampler` if the data is split over more
+    than one rank and it has no distributed sampler, keeping its shuffling, batch size and worker
+    settings. ``num_replicas``/``rank`` default to the world (a strategy with tensor or pipeline
+    groups passes its data-parallel size and rank)."""
+    if (context().world_size if num_replicas is None else num_replicas) == 1:
         return loader
-    return with_resumable_sampler(loader, seed)
+    return with_resumable_sampler(loader, seed, num_replicas, rank)
 
 
-def with_resumable_sampler(loader: Any, seed: int = 1024) -> Any:
-    """Return ``loader`` rebuilt with a :class:`ResumableSampler` (over this world) in place of a
-    plain random or sequential sampler, so its order depends only on seed and epoch and a
-    resumed run can start mid-epoch. Other loaders come back unchanged."""
+def with_resumable_sampler(loader: Any, seed: int = 1024, num_replicas: int | None = None, rank: int | None = None) -> Any:
+    """Return ``loader`` rebuilt with a :class:`ResumableSampler` (over ``num_replicas`` ranks,
+    default the world) in place of a plain random or sequential sampler, so its order depends only
+    on seed and epoch and a resumed run can start mid-epoch. Other loaders come back unchanged."""
     if loader is None or not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
@@ -108,7 +111,8 @@ def with_resumable_sampler(loader: Any, seed: int = 1024) -> Any:
         return loader  # a custom sampler: the user decides how data is split
     shuffle = isinstance(loader.sampler, RandomSampler)
     kwargs = _loader_kwargs(loader)
-    sampler = ResumableSampler(loader.dataset, shuffle=shuffle, seed=seed, drop_last=loader.drop_last)
+    sampler = ResumableSampler(loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                               drop_last=loader.drop_last)
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
 
 
@@ -130,11 +134,13 @@ class ShardSampler(Sampler[int]):
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
     @classmethod
-    def wrap(cls, loader: Any) -> Any:
-        """``loader`` sharded across ranks when the world is larger than one and it is a plain
-        sequential DataLoader; anything else is returned unchanged."""
+    def wrap(cls, loader: Any, num_replicas: int | None = None, rank: int | None = None) -> Any:
+        """``loader`` sharded across ``num_replicas`` ranks (default the world) when that is more
+        than one and it is a plain sequential DataLoader; anything else is returned unchanged."""
         ctx = context()
-        if ctx.world_size == 1 or not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
+        num_replicas = ctx.world_size if num_replicas is None else num_replicas
+        rank = ctx.rank if rank is None else rank
+        if num_replicas == 1 or not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
             return loader
         kwargs = _loader_kwargs(loader)
-        return DataLoader(loader.dataset, sampler=cls(loader.dataset, ctx.world_size, ctx.rank), **kwargs)
+        return DataLoader(loader.dataset, sampler=cls(loader.dataset, num_replicas, rank), **kwargs)

@@ -1,6 +1,53 @@
-"""Parallel strategies on torch.distributed: single, ddp (and more, one file each)."""
+"""Parallel strategies on torch.distributed, one file each.
+
+single, ddp, zero1 (ZeroRedundancyOptimizer), zero2/zero3/fsdp (FSDP2), tp (DTensor tensor
+parallel), pp (torch.distributed.pipelining), hybrid (a DeviceMesh of them), deepspeed, auto.
+Strategy classes are imported on first use, so ``import kiln.parallel`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from kiln.parallel.state_dict import full_model_state_dict
 from kiln.parallel.strategy import Strategy, get_strategy, register_strategy, strategy_names
 
-__all__ = ["Strategy", "full_model_state_dict", "get_strategy", "register_strategy", "strategy_names"]
+# public name -> module that defines it
+_LAZY = {
+    "SingleDevice": "kiln.parallel.single",
+    "DDP": "kiln.parallel.ddp",
+    "Zero1": "kiln.parallel.zero",
+    "FSDP": "kiln.parallel.fsdp",
+    "Zero2": "kiln.parallel.fsdp",
+    "Zero3": "kiln.parallel.fsdp",
+    "TensorParallel": "kiln.parallel.tensor",
+    "Pipeline": "kiln.parallel.pipeline",
+    "PipelineOutput": "kiln.parallel.pipeline",
+    "full_pipeline_state_dict": "kiln.parallel.pipeline",
+    "Hybrid": "kiln.parallel.hybrid",
+    "ParallelDims": "kiln.parallel.mesh",
+    "DeepSpeed": "kiln.parallel.deepspeed",
+    "Auto": "kiln.parallel.auto",
+    "PlanRow": "kiln.parallel.plan",
+    "plan_table": "kiln.parallel.plan",
+    "clip_grad_norm_": "kiln.parallel.grad_norm",
+    "get_state_dict": "kiln.parallel.dcp_state",
+    "set_state_dict": "kiln.parallel.dcp_state",
+    "model_state_dict": "kiln.parallel.dcp_state",
+    "optimizer_state_dict": "kiln.parallel.dcp_state",
+}
+
+__all__ = sorted(["Strategy", "full_model_state_dict", "get_strategy", "register_strategy", "strategy_names", *_LAZY])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kiln.parallel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

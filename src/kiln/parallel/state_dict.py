@@ -23,6 +23,9 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    gather = getattr(model, "gather_full_state_dict", None)
+    if gather is not None:  # a pipeline stage holds only its layers: collect every stage's
+        state = gather(state)
     return {k: _plain(v) for k, v in state.items()}
 
 

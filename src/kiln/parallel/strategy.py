@@ -25,6 +25,15 @@ __all__ = ["Strategy", "register_strategy", "get_strategy", "strategy_names"]
 _BUILTIN: dict[str, str] = {
     "single": "kiln.parallel.single:SingleDevice",
     "ddp": "kiln.parallel.ddp:DDP",
+    "zero1": "kiln.parallel.zero:Zero1",
+    "zero2": "kiln.parallel.fsdp:Zero2",
+    "zero3": "kiln.parallel.fsdp:Zero3",
+    "fsdp": "kiln.parallel.fsdp:FSDP",
+    "tp": "kiln.parallel.tensor:TensorParallel",
+    "pp": "kiln.parallel.pipeline:Pipeline",
+    "hybrid": "kiln.parallel.hybrid:Hybrid",
+    "deepspeed": "kiln.parallel.deepspeed:DeepSpeed",
+    "auto": "kiln.parallel.auto:Auto",
 }
 _REGISTERED: dict[str, type["Strategy"]] = {}
 
@@ -43,6 +52,9 @@ class Strategy:
     """
 
     name: ClassVar[str] = "base"
+    # Set by setup() when only some ranks read different batches (tensor/pipeline groups share one).
+    data_parallel_rank: int | None = None
+    data_parallel_size: int | None = None
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
               precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -62,6 +74,12 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without wrappers."""
         return model
+
+    def data_parallel(self, ctx: Context) -> tuple[int, int]:
+        """(rank, size) of this process among the ranks that read different batches."""
+        if self.data_parallel_size is None or self.data_parallel_rank is None:
+            return ctx.rank, ctx.world_size
+        return self.data_parallel_rank, self.data_parallel_size
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
@@ -91,7 +109,8 @@ def _lookup(name: str) -> type[Strategy]:
 def get_strategy(spec: str | Strategy | None, ctx: Context | None = None, **options: Any) -> Strategy:
     """A Strategy from a name (with its options) or an existing object.
 
-    ``"auto"`` (and ``None``) picks ``single`` for a world of 1 and ``ddp`` otherwise.
+    ``"auto"`` (and ``None``) is ``single`` for a world of 1; otherwise :class:`kiln.parallel.auto.Auto`,
+    which estimates memory per rank at setup and uses ddp, zero1, zero2 or zero3 (``kiln plan``).
     """
     if isinstance(spec, Strategy):
         return spec
@@ -99,7 +118,8 @@ def get_strategy(spec: str | Strategy | None, ctx: Context | None = None, **opti
     if name == "auto":
         from kiln.launch.context import context
 
-        name = "ddp" if (ctx or context()).world_size > 1 else "single"
+        if (ctx or context()).world_size == 1 and not options:
+            name = "single"  # one rank: nothing to plan
     if name not in _BUILTIN and name not in _REGISTERED:
         raise ValueError(f"strategy={spec!r} is not known; expected one of {', '.join(strategy_names())}")
     cls = _lookup(name)

@@ -177,7 +177,9 @@ class Trainer:
         if loader is None:
             return
         seed = self.state.seed if self.state.seed is not None else 1024
-        self.train_dataloader = loader = with_resumable_sampler(loader, seed=seed)
+        engine = self.engine
+        self.train_dataloader = loader = with_resumable_sampler(loader, seed, engine.data_parallel_size,
+                                                                engine.data_parallel_rank)
         self.state.dataloader = loader
         try:
             self.state.dataloader_len = len(loader)  # type: ignore[arg-type]
@@ -186,7 +188,7 @@ class Trainer:
 
     def _set_eval_dataloader(self, loader: Iterable | None) -> None:
         if loader is not None:
-            self.eval_dataloader = ShardSampler.wrap(loader)
+            self.eval_dataloader = ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
 
     def _add_schedulers(self, schedulers: Any) -> None:
         if schedulers is None:
@@ -251,7 +253,7 @@ class Trainer:
         # Events nobody listens to are skipped with one set lookup: the loop's per-batch cost
         # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
         active, run = events.active, events.run
-        move, world = self.engine.device.type != "cpu", state.world_size
+        move, world = self.engine.device.type != "cpu", self.engine.data_parallel_size
         evaluate_batches = self.eval_dataloader is not None and opts.evaluates_on(Event.BATCH_END)
         resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
         try:
@@ -274,8 +276,8 @@ class Trainer:
                     if _BATCH_START in active:
                         run(_BATCH_START)
                     # Counted as the dataloader gave it (an algorithm may shrink the batch), for
-                    # every rank as Composer counts, without a collective: the samplers give every
-                    # rank the same number of samples per batch.
+                    # every data-parallel rank as Composer counts, without a collective: the
+                    # samplers give every rank the same number of samples per batch.
                     samples, tokens = num_samples(state.batch) * world, num_tokens(state.batch) * world
                     self._train_batch()
                     ts.advance_batch(samples, tokens, time.perf_counter() - start)
@@ -454,7 +456,8 @@ class Trainer:
     # -- evaluation, prediction, checkpoints ---------------------------------------------------
     def eval(self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval") -> dict[str, float]:
         """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``."""
-        loader = ShardSampler.wrap(dataloader) if dataloader is not None else self.eval_dataloader
+        loader = (ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
+                  if dataloader is not None else self.eval_dataloader)
         if loader is None:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
         return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)

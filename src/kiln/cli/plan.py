@@ -1,0 +1,107 @@
+"""`kiln plan`: what ``strategy="auto"`` would choose, with the memory per rank of every candidate.
+
+    kiln plan --model mypkg.models:make_model --world-size 8 --optimizer torch.optim.AdamW
+    kiln plan --model mypkg.models:GPT --world-size 4 --budget 40e9 --input-shape 8,1024 --input-dtype long
+
+    kiln plan -f run.yaml --world-size 4 [--dotted.key value ...]
+
+The model is built on the CPU and never trained; ``--input-shape`` adds one traced forward to
+measure activations. With ``-f`` the run file is read and checked as ``kiln train`` reads it, and
+its model and optimizer are planned; :func:`kiln.parallel.plan.plan_table` does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run", "load_object"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("plan", help="show the memory per rank of each parallel strategy and what auto picks",
+                              description="Estimate parameters, gradients, optimizer state and activations per rank "
+                                          "for every strategy, and show which one strategy='auto' would choose.")
+    p.add_argument("-f", "--file", default=None,
+                   help="a run file (as for kiln train; dotted overrides may follow): its model and optimizer")
+    p.add_argument("--model", default=None,
+                   help="dotted path of a model class or factory: 'package.module:Name' or 'package.module.Name'")
+    p.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
+                   help="ranks of the run (default: the run file's compute_config.runtime_ngpus, else 1)")
+    p.add_argument("--optimizer", default=None, help="optimizer class (state size; default: the run file's, else AdamW)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="bytes per rank (default: $KILN_MEMORY_BUDGET_BYTES, else the device's free memory)")
+    p.add_argument("--input-shape", dest="input_shape", default=None,
+                   help="shape of one microbatch, e.g. 8,1024, to measure activations with one forward")
+    p.add_argument("--input-dtype", dest="input_dtype", default="float32", help="dtype of that input (float32, long, ...)")
+    p.set_defaults(func=run, accepts_extra=True)
+
+
+def load_object(path: str) -> Any:
+    """``package.module:attr`` or ``package.module.attr`` -> the object."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"--model/--optimizer {path!r} is not a dotted path; expected 'package.module:Name'")
+    try:
+        obj = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"cannot import {module_name!r} for {path!r}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> tuple[Any, str, int]:
+    # the config CLI's own reading and model building, so the plan sees the model `kiln train` would
+    from kiln.config.args import load_trainer_args
+    from kiln.config.trainer_builder import build_model
+
+    if world_size is None and str(path).endswith((".yaml", ".yml")):
+        from kiln.config.overrides import load_yaml
+
+        world_size = (load_yaml(path).get("compute_config") or {}).get("runtime_ngpus")
+    world_size = world_size or 1
+    trainer_args = load_trainer_args(path, overrides, world_size=world_size)
+    return build_model(trainer_args), trainer_args.optimizer.type, world_size
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kiln.parallel.plan import format_table, plan_table
+
+    extra = list(getattr(args, "extra", []) or [])
+    if (args.file is None) == (args.model is None):
+        print("kiln plan: pass -f run.yaml, or --model package.module:Name (a model class or a function "
+              "returning one)", file=sys.stderr)
+        return 2
+    if extra and args.file is None:
+        print(f"kiln plan: unrecognized arguments: {' '.join(extra)} (dotted overrides need -f)", file=sys.stderr)
+        return 2
+    if args.world_size is not None and args.world_size < 1:
+        print(f"kiln plan: --world-size={args.world_size} must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        if args.file is not None:
+            model, optimizer, world = _from_run_file(args.file, extra, args.world_size)
+        else:
+            model, optimizer, world = load_object(args.model)(), "torch.optim.AdamW", args.world_size or 1
+        optimizer = load_object(args.optimizer or optimizer)
+        example = None
+        if args.input_shape:
+            shape = tuple(int(s) for s in args.input_shape.replace("x", ",").split(",") if s)
+            dtype = getattr(torch, args.input_dtype)
+            example = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
+    except (ValueError, AttributeError, TypeError) as exc:  # ConfigError is a ValueError
+        print(f"kiln plan: error: {exc}", file=sys.stderr)
+        return 2
+    rows = plan_table(model, optimizer, world, args.budget, example)
+    print(f"{type(model).__name__} on {world} rank(s), optimizer {getattr(optimizer, '__name__', optimizer)}")
+    print(format_table(rows))
+    return 0

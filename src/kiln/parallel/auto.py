@@ -1,0 +1,85 @@
+"""``strategy="auto"``: estimate memory per rank for each candidate and use the cheapest that fits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from kiln.parallel.plan import PlanRow, format_table, plan_table
+from kiln.parallel.strategy import Strategy, get_strategy
+
+if TYPE_CHECKING:
+    from kiln.launch.context import Context
+    from kiln.precision import Precision
+
+__all__ = ["Auto"]
+
+
+class Auto(Strategy):
+    """Picks ``ddp``, ``zero1``, ``zero2`` or ``zero3`` (in that order of communication) by the
+    memory estimate of :func:`kiln.parallel.plan.plan_table`, then behaves exactly as the pick.
+
+    Args:
+        memory_budget: bytes one rank may use (default: ``$KILN_MEMORY_BUDGET_BYTES``, else the
+            device's free memory).
+        example_input: one microbatch, to measure activation memory with a traced forward.
+
+    After ``setup``, ``chosen`` is the strategy in use, ``reason`` says why and ``table`` holds
+    every candidate (what ``kiln plan`` prints).
+
+    Example::
+
+        engine, *_ = kiln.initialize(model, opt, config={"strategy": {"name": "auto", "memory_budget": 8e9}})
+        print(engine.strategy.reason)
+    """
+
+    name = "auto"
+
+    def __init__(self, memory_budget: int | float | None = None, example_input: Any = None) -> None:
+        self.memory_budget = memory_budget
+        self.example_input = example_input
+        self.chosen: Strategy | None = None
+        self.table: list[PlanRow] = []
+        self.reason = "not planned yet: setup() plans"
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
+              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        self.table = plan_table(model, optimizer, ctx.world_size, self.memory_budget, self.example_input)
+        row = next(r for r in self.table if r.chosen)
+        self.chosen = get_strategy(row.strategy, ctx)
+        self.reason = f"{row.strategy}: {row.note}"
+        if ctx.is_main:
+            from kiln.launch.logging import get_dist_logger
+
+            get_dist_logger().info(f"strategy='auto' chose {self.reason}\n{format_table(self.table)}", ranks=[0])
+        return self.chosen.setup(model, optimizer, ctx, precision)
+
+    # -- everything else is the chosen strategy's -------------------------------------------------
+    def _strategy(self) -> Strategy:
+        if self.chosen is None:
+            raise RuntimeError("strategy='auto' has not chosen yet: call setup() (the Engine does) first")
+        return self.chosen
+
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        self._strategy().set_grad_sync(model, enabled)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self._strategy().clip_grad_norm_(model, max_norm, norm_type)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self._strategy().unwrap(model)
+
+    def __getattr__(self, name: str) -> Any:
+        # data_parallel_size, pipeline, ... of the chosen strategy (only reached for missing names)
+        chosen = self.__dict__.get("chosen")
+        if chosen is None:
+            raise AttributeError(name)
+        return getattr(chosen, name)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "chosen": self.chosen.describe() if self.chosen else None, "reason": self.reason}
+
+    def __repr__(self) -> str:
+        return f"Auto(chosen={self.chosen!r})"

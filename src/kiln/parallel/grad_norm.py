@@ -1,0 +1,82 @@
+"""Global gradient-norm clipping when gradients are sharded (FSDP2, tensor and pipeline parallel).
+
+``torch.nn.utils.clip_grad_norm_`` refuses a mix of plain tensors and DTensors, and DTensors on
+different meshes (FSDP x TP leaves some parameters on the data-parallel mesh only), and it knows
+nothing of pipeline stages on other ranks. Here the gradients are grouped by (mesh, placements);
+each group's norm is a DTensor reduction that ``full_tensor()`` completes over exactly the ranks
+that hold shards of it (a replicated placement is not summed twice); the groups combine locally;
+pipeline stages combine with one all-reduce.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_grad_norm_", "total_grad_norm"]
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The norm of all gradients of the model, across shards and pipeline stages, as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm_type = float(norm_type)
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the reduction over the ranks holding this group's shards
+        norms.append(norm)
+    # at least float32 (bf16 norms of many shards lose digits), float64 when the gradients are
+    dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms), torch.float32)
+    norms = [n.to(dtype) for n in norms]
+    device = norms[0].device if norms else torch.device("cpu")
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        if pp_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        return total
+    # sum of norm**p over groups (and stages), then the p-th root
+    powered = torch.stack([n.pow(norm_type) for n in norms]).sum() if norms else torch.zeros((), device=device)
+    if pp_group is not None:
+        dist.all_reduce(powered, group=pp_group)
+    return powered.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
+
+    Example::
+
+        norm = clip_grad_norm_(model.parameters(), 1.0)   # DTensor and plain gradients alike
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, norm_type, pp_group)
+    # Same coefficient as torch.nn.utils.clip_grads_with_norm_; scaling the local shards scales the
+    # whole DTensor, and avoids DTensor's refusal of a plain scalar tensor operand.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in params:
+        # under no_grad, to_local() is the DTensor's own local tensor, so mul_ reaches the shard
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_device.setdefault(g.device, []).append(g)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, coef.to(device))
+    return total

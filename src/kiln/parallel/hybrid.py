@@ -1,0 +1,155 @@
+"""Hybrid parallelism on one ``DeviceMesh``: pipeline x (replicate x shard) data x tensor.
+
+The parallelisms are applied in torchtitan's order, each one call:
+
+1. pipeline: cut the model into stages (this rank keeps its own);
+2. tensor parallel on each stage: it turns Linear weights into DTensors on the ``tp`` mesh;
+3. FSDP2 on each stage over the data-parallel mesh: it shards those DTensors again along the data
+   dimension (2-D parameters) and must come last, because it takes ownership of whatever
+   parameters the module holds when it is applied.
+
+``dp_replicate > 1`` with ``dp_shard > 1`` is HSDP: parameters sharded within a group of
+``dp_shard`` ranks and replicated across ``dp_replicate`` groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from kiln.parallel.fsdp import WrapSpec, apply_fsdp, wrap_targets
+from kiln.parallel.grad_norm import clip_grad_norm_
+from kiln.parallel.mesh import ParallelDims, dp_coordinate, dp_mesh
+from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, stage_count_error, validate_split_points
+from kiln.parallel.strategy import Strategy
+from kiln.parallel.tensor import apply_tp, matching_modules, resolve_tp_plan
+
+if TYPE_CHECKING:
+    from kiln.launch.context import Context
+    from kiln.precision import Precision
+
+__all__ = ["Hybrid"]
+
+
+def _has_module(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+class Hybrid(Strategy):
+    """Several parallelisms at once on a validated 4-D mesh (``pp, dp_replicate, dp_shard, tp``).
+
+    Args:
+        dp_replicate: data-parallel replica groups (HSDP's outer dimension).
+        dp_shard: ranks that shard parameters within a replica (``-1``: what the others leave).
+        tp: tensor-parallel ranks; needs ``tp_plan`` (or the model's ``tp_plan`` attribute).
+        pp: pipeline stages; needs ``split_points``.
+        tp_plan: see :class:`kiln.parallel.TensorParallel`.
+        split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
+        wrap / reshard_after_forward / cpu_offload: see :class:`kiln.parallel.FSDP`.
+
+    ``data_parallel_rank`` and ``data_parallel_size`` say which batch this rank reads (ranks of one
+    tensor-parallel group and of one pipeline read the same one).
+
+    Example::
+
+        strategy = kiln.parallel.Hybrid(dp_shard=2, tp=2, tp_plan={"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
+    """
+
+    name = "hybrid"
+
+    def __init__(self, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, *,
+                 tp_plan: Mapping[str, Any] | None = None, split_points: Sequence[str] = (),
+                 schedule: str = "1f1b", microbatches: int | None = None, example_input: Any = None,
+                 wrap: WrapSpec = None, reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+        self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+        if pp > 1 and not split_points:
+            raise ValueError(f"Hybrid(pp={pp}) needs split_points=[module names where stages begin]")
+        if str(schedule).lower() not in SCHEDULES:
+            raise ValueError(f"Hybrid schedule={schedule!r} is not known; expected one of {', '.join(SCHEDULES)}")
+        self.tp_plan, self.split_points = tp_plan, [split_points] if isinstance(split_points, str) else list(split_points)
+        self.schedule, self.microbatches, self.example_input = str(schedule).lower(), microbatches, example_input
+        self.wrap, self.reshard_after_forward, self.cpu_offload = wrap, reshard_after_forward, cpu_offload
+        self.pipeline: PipelineRuntime | None = None
+        self.data_parallel_rank, self.data_parallel_size = 0, 1
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
+              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        # Every user error is raised here, before the mesh exists (no collective has run).
+        dims = self.dims.resolve(ctx.world_size)
+        plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
+        if dims.pp > 1:
+            validate_split_points(model, self.split_points)
+            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
+            if error:
+                raise ValueError(error)
+        wrap = wrap_targets(model, self.wrap) if dims.dp > 1 else []
+        model.to(ctx.device)
+        precision.setup_module(model)
+        self.resolved_dims = dims
+        if ctx.world_size == 1:
+            return model, optimizer
+        mesh = dims.build_mesh(ctx.device.type)
+        fsdp_mesh, tp_mesh = dp_mesh(mesh, dims), mesh["tp"] if dims.tp > 1 else None
+        self.data_parallel_rank, self.data_parallel_size = dp_coordinate(mesh, dims), dims.dp
+
+        def parallelize(module: nn.Module) -> None:
+            if tp_mesh is not None:
+                stage_plan = {p: s for p, s in plan.items() if matching_modules(module, p)}
+                if module is not model:
+                    _restore_split_layers(module, model, stage_plan)
+                apply_tp(module, tp_mesh, stage_plan)
+            if fsdp_mesh is not None:
+                apply_fsdp(module, fsdp_mesh, precision, reshard_after_forward=self.reshard_after_forward,
+                           wrap=[n for n in wrap if _has_module(module, n)], cpu_offload=self.cpu_offload)
+
+        if dims.pp > 1:
+            self.pipeline = PipelineRuntime(
+                model, self.split_points, self.schedule, self.microbatches or len(self.split_points) + 1,
+                mesh["pp"].get_group(), mesh.get_local_rank("pp"), dims.pp, ctx.device, precision, optimizer,
+                transform=parallelize)
+            if self.example_input is not None:
+                example = self.example_input
+                self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
+            return self.pipeline.view, optimizer
+        names = parameter_names(model)
+        parallelize(model)
+        repoint_optimizer(optimizer, names, dict(model.named_parameters()), strategy=self.name)
+        return model, optimizer
+
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        # Under pp > 1 the pipeline schedule sets FSDP's sync for each of its own microbatches.
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(enabled)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        group = self.pipeline.group if self.pipeline is not None else None
+        return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
+
+    def describe(self) -> dict[str, Any]:
+        dims = getattr(self, "resolved_dims", self.dims)
+        return {"name": self.name, "pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
+                "tp": dims.tp, "split_points": self.split_points, "schedule": self.schedule}
+
+    def __repr__(self) -> str:
+        d = self.dims
+        return f"Hybrid(dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, tp={d.tp}, pp={d.pp})"
+
+
+def _restore_split_layers(stage: nn.Module, model: nn.Module, plan: Mapping[str, Any]) -> None:
+    # Tracing turns every module of a stage into an fx InterpreterModule, which tensor parallelism
+    # cannot split (it needs nn.Linear / nn.Embedding). The original layer objects hold the very
+    # same parameters and take the same single tensor input, so they are put back in their place.
+    for pattern in plan:
+        for name in matching_modules(stage, pattern):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = stage.get_submodule(parent_name) if parent_name else stage
+            setattr(parent, leaf, model.get_submodule(name))

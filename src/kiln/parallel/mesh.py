@@ -1,0 +1,110 @@
+"""Parallel dimensions, validated against the world size before any process group is touched.
+
+The mesh dimensions are, outermost first, ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``
+(torchtitan's order). Ranks that differ only in the innermost dimension are neighbours
+(consecutive ranks, usually one node), so tensor parallelism, which communicates every layer,
+gets the fastest links and pipeline parallelism, which sends one activation per microbatch, the
+slowest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ParallelDims", "dp_mesh", "dp_coordinate"]
+
+_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the four parallel dimensions; ``dp_shard=-1`` takes what the others leave.
+
+    Args:
+        pp: pipeline stages.
+        dp_replicate: data-parallel replicas (HSDP's replicate dimension; gradients all-reduced).
+        dp_shard: data-parallel shards (FSDP; parameters, gradients and optimizer state sharded).
+        tp: tensor-parallel ranks.
+
+    Example::
+
+        dims = ParallelDims(dp_shard=-1, tp=2).resolve(world_size=8)   # dp_shard=4
+        mesh = dims.build_mesh("cuda")
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in _DIMS:
+            value = getattr(self, name)
+            fill = name == "dp_shard" and value == -1
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not fill):
+                allowed = "an integer >= 1, or -1 to fill the world" if name == "dp_shard" else "an integer >= 1"
+                raise ValueError(f"parallel dimension {name}={value!r} must be {allowed}")
+
+    def _text(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)}" for name in _DIMS)
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """These sizes with ``dp_shard=-1`` filled in; a clear error when they do not fit ``world_size``."""
+        others = self.pp * self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            if world_size % others:
+                raise ValueError(f"parallel sizes ({self._text()}) do not divide the world of {world_size} processes: "
+                                 f"pp*dp_replicate*tp = {others} must divide {world_size}; pick sizes whose product "
+                                 f"divides {world_size}, or launch a multiple of {others} processes")
+            return ParallelDims(self.pp, self.dp_replicate, world_size // others, self.tp)
+        product = others * self.dp_shard
+        if product != world_size:
+            raise ValueError(f"parallel sizes ({self._text()}) multiply to {product} but the world has {world_size} "
+                             f"processes; make pp*dp_replicate*dp_shard*tp equal {world_size}, or set dp_shard=-1 "
+                             "to let it take the rest")
+        return self
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Sizes and names of the mesh: dimensions of size 1 are left out (they would only cost a
+        process group each), except ``dp_shard`` next to ``dp_replicate``: FSDP2's HSDP needs both."""
+        if self.dp_shard == -1:
+            raise ValueError("call resolve(world_size) before building a mesh: dp_shard is still -1")
+        keep = [name for name in _DIMS if getattr(self, name) > 1]
+        if self.dp_replicate > 1 and "dp_shard" not in keep:
+            keep.insert(keep.index("dp_replicate") + 1, "dp_shard")
+        return tuple(getattr(self, name) for name in keep), tuple(keep)
+
+    def build_mesh(self, device_type: str):
+        """The ``DeviceMesh`` (``None`` when every dimension is 1)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, names = self.mesh_shape()
+        if not shape:
+            return None
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def dp_mesh(mesh, dims: ParallelDims):
+    """The sub-mesh FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D for FSDP, None without DP."""
+    if mesh is None:
+        return None
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    if dims.dp_shard > 1:
+        return mesh["dp_shard"]
+    return None
+
+
+def dp_coordinate(mesh, dims: ParallelDims) -> int:
+    """This rank's index among the data-parallel ranks (which batch it reads)."""
+    if mesh is None or dims.dp == 1:
+        return 0
+    names = mesh.mesh_dim_names
+    replicate = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+    shard = mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
+    return replicate * dims.dp_shard + shard

@@ -1,0 +1,348 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``.
+
+The model is traced once (``torch.distributed.pipelining.pipeline``, torch.export underneath) and
+cut before each split point; each rank keeps its stage(s), with the original parameter names. A
+batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B) runs the forward,
+the loss on the last stage and the backward of every microbatch in one ``schedule.step``.
+
+How the Engine's four calls map onto that one step (the Engine reads ``strategy.pipeline``):
+
+=====================  ===========================================================================
+``out = engine(x)``    the model returns a :class:`PipelineOutput` that only holds ``x``
+``engine.criterion``   records ``(criterion, out, target)``; returns a 0-d tensor, filled in below
+``engine.backward``    runs ``schedule.step``: each microbatch loss is ``criterion(out_mb, y_mb)``
+                       times the Engine's scale (1/accumulation or ``weight``, and the fp16 loss
+                       scale) / microbatches; the mean unscaled loss is written into the tensor from
+                       ``criterion`` and broadcast from the last stage, so every rank can log it
+``engine.step``        steps each rank's optimizer over its own stage's parameters
+=====================  ===========================================================================
+
+Code that drives a step itself (a Trainer whose model computes its own loss) calls
+``strategy.pipeline.train_step(args, kwargs, target, loss_fn)`` directly. In eval mode or under
+``torch.no_grad()`` the model runs a forward-only schedule and returns the last stage's output on
+every rank. The traced shapes are fixed: every batch must have the shape of the first one
+(``drop_last=True``), and its size must divide into ``microbatches``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.parallel.grad_norm import clip_grad_norm_
+from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+from kiln.parallel.strategy import Strategy
+
+if TYPE_CHECKING:
+    from kiln.launch.context import Context
+    from kiln.precision import Precision
+
+__all__ = ["Pipeline", "PipelineOutput", "PipelineRuntime", "validate_split_points", "full_pipeline_state_dict"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}[name]
+
+
+def validate_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
+    """Every split point must name a (non-root) submodule, once. Runs no collective."""
+    names = [n for n, _ in model.named_modules() if n]
+    for point in split_points:
+        if not isinstance(point, str) or point not in names:
+            close = difflib.get_close_matches(str(point), names, n=3)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"its modules start {', '.join(names[:8])}"
+            raise ValueError(f"Pipeline split point {point!r} is not a module of {type(model).__name__}; a split point "
+                             f"names the module where a new stage begins ({hint})")
+    if len(set(split_points)) != len(split_points):
+        raise ValueError(f"Pipeline split_points={list(split_points)!r} names a module twice; list each boundary once")
+
+
+def stage_count_error(num_stages: int, pp: int, schedule: str) -> str | None:
+    """Why ``num_stages`` stages cannot run on ``pp`` ranks under ``schedule`` (None when they can)."""
+    if schedule == "interleaved1f1b":
+        if num_stages % pp or num_stages // pp < 2:
+            return (f"Pipeline(schedule='interleaved1f1b') needs at least 2 stages per rank and a multiple of the "
+                    f"{pp} pipeline ranks, but {num_stages - 1} split points make {num_stages} stages; give "
+                    f"{2 * pp - 1} split points (or {3 * pp - 1}, ...)")
+    elif num_stages != pp:
+        return (f"Pipeline(schedule={schedule!r}) runs one stage per rank, but {num_stages - 1} split points make "
+                f"{num_stages} stages for {pp} pipeline ranks; give {pp - 1} split points or launch {num_stages} processes")
+    return None
+
+
+class PipelineOutput:
+    """What ``engine(x)`` returns under pipeline parallelism in training: the inputs, kept for the
+    schedule that ``engine.backward`` runs (forward and backward happen there, microbatch by microbatch)."""
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return "PipelineOutput(deferred: pass it to engine.criterion(out, target), then engine.backward(loss))"
+
+
+def _merge_into(dst: nn.Module, sources: Sequence[nn.Module]) -> None:
+    # Mirror the original module tree: a child held by one source is attached as is; a name held by
+    # several (e.g. "layers" when one rank holds stages 0 and 2) becomes a fresh container.
+    children: dict[str, list[nn.Module]] = {}
+    for src in sources:
+        for name, p in src._parameters.items():
+            if p is not None:
+                dst.register_parameter(name, p)
+        for name, b in src._buffers.items():
+            if b is not None:
+                dst.register_buffer(name, b, persistent=name not in src._non_persistent_buffers_set)
+        for name, child in src._modules.items():
+            if child is not None:
+                children.setdefault(name, []).append(child)
+    for name, mods in children.items():
+        if len(mods) == 1:
+            dst.add_module(name, mods[0])
+        else:
+            container = nn.Module()
+            _merge_into(container, mods)
+            dst.add_module(name, container)
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage modules under their original names (state dicts, optimizers and
+    clipping see exactly this rank's parameters); calling it defers to the schedule."""
+
+    def __init__(self, model: nn.Module, runtime: PipelineRuntime) -> None:
+        super().__init__()
+        self.runtime = runtime  # a plain object, not a submodule
+        _merge_into(self, [model])  # until the stages exist, the whole model
+
+    def show_stages(self, modules: Sequence[nn.Module]) -> None:
+        self._parameters.clear()
+        self._buffers.clear()
+        self._modules.clear()
+        _merge_into(self, modules)
+
+    def gather_full_state_dict(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's full (unsharded) state dict merged with the other pipeline ranks' ones."""
+        local = {k: v.detach().cpu() for k, v in local.items()}
+        if not self.runtime.built:
+            return local  # not cut yet: this rank holds the whole model
+        parts: list[Any] = [None] * self.runtime.pp_size
+        dist.all_gather_object(parts, local, group=self.runtime.group)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            return PipelineOutput(args, kwargs)
+        return self.runtime.eval_forward(args, kwargs)
+
+
+class PipelineRuntime:
+    """The stages and schedule of one rank, built on the first batch (or from ``example_input``).
+
+    Args:
+        model: the full model (traced once; this rank keeps its stages).
+        split_points: module names where stages 1, 2, ... begin.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved1f1b"``.
+        microbatches: microbatches per batch.
+        group / pp_rank / pp_size: the pipeline process group and this rank's place in it.
+        device, precision: where stages run, and the autocast to run them under.
+        optimizer: pointed at this rank's parameters once the stages exist.
+        transform: applied to each stage module after it is built (Hybrid: TP, then FSDP).
+    """
+
+    def __init__(self, model: nn.Module, split_points: Sequence[str], schedule: str, microbatches: int,
+                 group: dist.ProcessGroup, pp_rank: int, pp_size: int, device: torch.device, precision: Precision,
+                 optimizer: torch.optim.Optimizer | None,
+                 transform: Callable[[nn.Module], None] | None = None) -> None:
+        self.model, self.split_points, self.schedule_name = model, list(split_points), schedule
+        self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
+        self.device, self.precision, self.optimizer, self.transform = device, precision, optimizer, transform
+        self.num_stages = len(self.split_points) + 1
+        self.stage_ids = list(range(pp_rank, self.num_stages, pp_size))  # "loop" placement of stages
+        self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
+        self.last_rank = dist.get_global_rank(group, (self.num_stages - 1) % pp_size)
+        self.view = PipelineModule(model, self)
+        self._names = parameter_names(model)
+        self._schedule = None
+        self._step_loss: Callable[..., torch.Tensor] | None = None
+        self._pending: tuple | None = None
+
+    @property
+    def built(self) -> bool:
+        return self._schedule is not None
+
+    def build(self, args: tuple, kwargs: dict) -> None:
+        """Trace the model on the first microbatch of ``args``/``kwargs`` and keep this rank's stages."""
+        from torch.distributed.pipelining import SplitPoint, pipeline
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+        mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
+        pipe = pipeline(self.model, mb_args=mb_args[0], mb_kwargs=mb_kwargs[0],
+                        split_spec={point: SplitPoint.BEGINNING for point in self.split_points})
+        if pipe.num_stages != self.num_stages:
+            raise ValueError(f"Pipeline split_points={self.split_points!r} gave {pipe.num_stages} stages instead of "
+                             f"{self.num_stages}: each split point must be a module the forward calls, listed in "
+                             "the order the forward calls them")
+        stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
+        del pipe  # lets the other ranks' stage modules go
+        for stage in stages:
+            if self.transform is not None:
+                self.transform(stage.submod)
+        self.view.show_stages([stage.submod for stage in stages])
+        self.view.train(self.view.training)
+        repoint_optimizer(self.optimizer, self._names, dict(self.view.named_parameters()),
+                          strategy="pp", drop_missing=True)
+        cls = _schedule_class(self.schedule_name)
+        target = stages if self.schedule_name == "interleaved1f1b" else stages[0]
+        # scale_grads=False: torch would divide the whole .grad by the microbatch count after each
+        # step, which also shrinks gradients kept from earlier accumulation steps; the 1/microbatches
+        # goes into each microbatch loss instead.
+        self._schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        assert self._step_loss is not None, "the pipeline schedule ran without a loss function"
+        return self._step_loss(output, target)
+
+    def _run(self, args: tuple, kwargs: dict, target: Any, eval_only: bool) -> Any:
+        if not self.built:
+            self.build(args, kwargs)
+        step_args, step_kwargs = (args, kwargs) if self.has_first else ((), {})
+        with self.precision.autocast(self.device):
+            if eval_only:
+                return self._schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
+            return self._schedule.step(*step_args, target=target if self.has_last else None,
+                                       losses=[] if self.has_last else None, return_outputs=False, **step_kwargs)
+
+    def train_step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[..., torch.Tensor], *,
+                   scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+        """Forward, loss and backward of one batch; returns the mean microbatch loss on every rank.
+
+        ``loss_fn(output_mb, target_mb)`` runs on the last stage; the gradient is that of
+        ``mean(losses) * scale`` (times the scaler's scale when given).
+        """
+        recorded: list[torch.Tensor] = []
+        factor = scale / self.microbatches
+
+        def step_loss(output: Any, target_mb: Any) -> torch.Tensor:
+            loss = loss_fn(output, target_mb)
+            recorded.append(loss.detach().float())
+            loss = loss * factor
+            return scaler.scale(loss) if scaler is not None else loss
+
+        self._step_loss = step_loss
+        try:
+            self._run(args, kwargs, target, eval_only=False)
+        finally:
+            self._step_loss = None
+        value = torch.stack(recorded).mean() if recorded else torch.zeros((), device=self.device)
+        dist.broadcast(value, src=self.last_rank, group=self.group)  # the loss lives on the last stage
+        return value
+
+    def eval_forward(self, args: tuple, kwargs: dict) -> Any:
+        """Forward only; the last stage's output, sent to every pipeline rank."""
+        batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else self.microbatches
+        # The schedule computes a loss on the last stage whenever it has a loss function; a zero
+        # loss on a dummy target keeps it from failing without touching the stages' buffers.
+        self._step_loss = lambda output, _: torch.zeros((), device=self.device)
+        try:
+            with torch.no_grad():
+                out = self._run(args, kwargs, torch.zeros(batch, device=self.device), eval_only=True)
+        finally:
+            self._step_loss = None
+        box = [out.cpu() if isinstance(out, torch.Tensor) else out]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0].to(self.device) if isinstance(box[0], torch.Tensor) else box[0]
+
+    # -- the Engine's hooks (see the module docstring) ------------------------------------------
+    def defer_loss(self, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) != 2 or kwargs or not isinstance(args[0], PipelineOutput):
+            raise TypeError("under Pipeline, call engine.criterion(engine(x), target): the schedule computes "
+                            "criterion(output, target) microbatch by microbatch on the last stage")
+        loss = torch.zeros((), device=self.device)
+        self._pending = (loss, args[0], args[1], criterion)
+        return loss
+
+    def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is not loss:
+            raise RuntimeError("under Pipeline, engine.backward takes the tensor engine.criterion returned, "
+                               "unchanged: the schedule computes the loss and its backward together")
+        _, output, target, criterion = pending
+        loss.copy_(self.train_step(output.args, output.kwargs, target, criterion, scale=scale, scaler=scaler))
+
+
+def full_pipeline_state_dict(model: PipelineModule) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on every rank (on the CPU): each rank's stages, gathered."""
+    from kiln.parallel.state_dict import full_model_state_dict
+
+    return model.gather_full_state_dict(full_model_state_dict(model))
+
+
+class Pipeline(Strategy):
+    """Pipeline parallelism over all ranks (``strategy="pp"``); with data or tensor parallelism
+    inside each stage use :class:`kiln.parallel.Hybrid` (``pp=...``).
+
+    Args:
+        split_points: module names where a new stage begins, in forward order: one fewer than the
+            ranks (``"gpipe"``, ``"1f1b"``), or ``k * ranks - 1`` for ``"interleaved1f1b"``.
+        schedule: ``"1f1b"`` (default: the least activation memory), ``"gpipe"`` or ``"interleaved1f1b"``.
+        microbatches: microbatches per batch (default: the number of stages).
+        example_input: a batch to trace the model with at setup; by default the first batch is used.
+
+    Example::
+
+        strategy = kiln.parallel.Pipeline(["layers.4"], schedule="1f1b", microbatches=8)
+    """
+
+    name = "pp"
+
+    def __init__(self, split_points: Sequence[str] = (), schedule: str = "1f1b", microbatches: int | None = None,
+                 example_input: Any = None) -> None:
+        if isinstance(split_points, str):
+            split_points = [split_points]
+        if not split_points:
+            raise ValueError("Pipeline needs split_points=[module names where stages begin], e.g. ['layers.4']")
+        schedule = str(schedule).lower()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline schedule={schedule!r} is not known; expected one of {', '.join(SCHEDULES)}")
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise ValueError(f"Pipeline microbatches={microbatches!r} must be an integer >= 1")
+        self.split_points, self.schedule, self.microbatches = list(split_points), schedule, microbatches
+        self.example_input = example_input
+        self.pipeline: PipelineRuntime | None = None
+        self.data_parallel_rank, self.data_parallel_size = 0, 1
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
+              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        validate_split_points(model, self.split_points)  # user errors first, before any collective
+        num_stages = len(self.split_points) + 1
+        error = stage_count_error(num_stages, ctx.world_size, self.schedule)
+        if error:
+            raise ValueError(error)
+        model.to(ctx.device)
+        precision.setup_module(model)
+        self.pipeline = PipelineRuntime(model, self.split_points, self.schedule, self.microbatches or num_stages,
+                                        dist.group.WORLD, ctx.rank, ctx.world_size, ctx.device, precision, optimizer)
+        if self.example_input is not None:
+            example = self.example_input
+            self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
+        return self.pipeline.view, optimizer
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        group = self.pipeline.group if self.pipeline is not None else None
+        return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "split_points": self.split_points, "schedule": self.schedule,
+                "microbatches": self.microbatches}
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.split_points!r}, schedule={self.schedule!r}, microbatches={self.microbatches})"
