@@ -257,3 +257,38 @@ def test_clip_grad_norm_and_gradient_clipping_algorithm_are_exclusive():
     with pytest.raises(ValueError, match="clip_grad_norm= and the GradientClipping algorithm"):
         _trainer(max_duration=1, clip_grad_norm=1.0,
                  algorithms=[GradientClipping(clipping_type="norm", clipping_threshold=1.0)])
+
+
+def test_two_rank_ddp_logs_the_mean_loss_counts_all_samples_and_matches_one_process(tmp_path):
+    import json
+
+    from distributed import WORKERS, check, kiln_run
+
+    check(kiln_run(WORKERS / "trainer_ddp.py", str(tmp_path)))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    train = [entry["metrics"]["train/loss"] for entry in logged if "train/loss" in entry.get("metrics", {})]
+    assert train == pytest.approx([(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])], rel=1e-6)
+    assert (r0["batches"], r0["samples"]) == (8, 128)  # 2 epochs of 64 samples, counted over both ranks
+    assert r0["weights"] == r1["weights"]
+    # One process with the global batch (both ranks' samples of each step) gives the same weights.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(2):
+        sampler = [torch.utils.data.DistributedSampler(torch.utils.data.TensorDataset(x), num_replicas=2, rank=r,
+                                                       shuffle=True, seed=11) for r in range(2)]
+        for s in sampler:
+            s.set_epoch(epoch)
+        orders = [list(s) for s in sampler]
+        for step in range(4):
+            idx = [orders[r][step * 8:(step + 1) * 8] for r in range(2)]
+            opt.zero_grad()
+            loss = sum(nn.functional.cross_entropy(model(x[i]), y[i]) for i in idx) / 2
+            loss.backward()
+            opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.allclose(torch.tensor(r0["weights"][k]), v, atol=1e-6), k

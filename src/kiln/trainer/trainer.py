@@ -445,9 +445,8 @@ class Trainer:
             import torch.distributed as dist
 
             loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG if dist.get_backend() != "gloo" else dist.ReduceOp.SUM)
-            if dist.get_backend() == "gloo":
-                loss /= self.state.world_size
+            dist.all_reduce(loss)  # a SUM: gloo has no AVG
+            loss /= self.state.world_size
         metrics: dict[str, Any] = {"train/loss": loss}
         if self.state.optimizer is not None:
             metrics["train/lr"] = self.state.optimizer.param_groups[0]["lr"]
