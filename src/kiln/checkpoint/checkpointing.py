@@ -1,0 +1,208 @@
+"""``save_checkpoint``, ``load_checkpoint`` and ``verify_checkpoint``: the protocol across ranks.
+
+Saving, on every rank::
+
+    rank 0 picks the temporary name (ep3-ba120.tmp-<nonce>) and creates the folder
+    every rank writes its files (kiln.checkpoint.formats)                 -- fsynced by the writer
+    every rank hashes its share of the files; the hashes are gathered
+    rank 0 writes manifest.json, renames the folder, points `last` at it  -- the commit
+    every rank returns once the checkpoint is visible
+
+A failure on any rank is raised on every rank (nobody waits forever in a collective), and a crash
+at any point leaves only ``*.tmp-*`` debris next to the previous, intact checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from kiln.checkpoint import collectives, layout
+from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.formats import SAVE_TYPES, check_save_type, read_checkpoint_files, write_checkpoint_files
+from kiln.checkpoint.serialization import read_dcp_metadata, safe_torch_load
+from kiln.checkpoint.state import run_config
+
+__all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
+
+
+class SaveJob:
+    """One checkpoint being written: its names, its manifest, and the steps of the protocol."""
+
+    def __init__(self, folder: str | os.PathLike, state: Any, save_type: str, name: str | None = None,
+                 metrics: Mapping[str, Any] | None = None) -> None:
+        self.folder = Path(folder)
+        self.save_type = check_save_type(save_type)
+        self.rank, self.world = collectives.rank_and_world()
+        ts = state.timestamp
+        self.name = name or layout.checkpoint_name(ts.epoch.value, ts.batch.value)
+        nonce = collectives.broadcast_object(uuid.uuid4().hex[:12])  # one temporary name on every rank
+        self.tmp = self.folder / layout.temporary_name(self.name, nonce)
+        self.final = self.folder / self.name
+        self.manifest = _manifest(self.name, state, save_type, self.world, metrics)
+
+    def write(self, state: Any, asynchronous: bool = False, group: Any = None) -> Any:
+        """Create the temporary folder and write this rank's files; a DCP future when asynchronous."""
+        error = None
+        if self.rank == 0:
+            try:
+                self.tmp.mkdir(parents=True)
+            except OSError as exc:
+                error = CheckpointError(self.tmp, f"cannot be created ({exc})", "check the save folder is writable")
+        collectives.raise_together(error)
+        try:
+            return write_checkpoint_files(self.tmp, state, self.save_type, asynchronous, group)
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # disk full, permissions, a DCP failure: name the folder
+            error = CheckpointError(self.tmp, f"could not be written ({type(exc).__name__}: {exc})",
+                                    "check free space and permissions of the save folder")
+        collectives.raise_together(error)
+        return None
+
+    def commit_together(self, update_last: bool = True) -> Path:
+        """Every rank: hash a share of the files, then rank 0 writes the manifest and commits."""
+        collectives.barrier()  # every rank's files are complete before anyone lists them
+        error, hashes = None, {}
+        try:
+            hashes = layout.hash_files(self.tmp, layout.list_files(self.tmp)[self.rank::self.world])
+        except OSError as exc:
+            error = CheckpointError(self.tmp, f"could not be read back for checksums ({exc})")
+        collectives.raise_together(error)
+        files: dict[str, Any] = {}
+        for part in collectives.all_gather_object(hashes):
+            files.update(part)
+        if self.rank == 0:
+            try:
+                self.commit(files, update_last)
+            except OSError as exc:
+                error = CheckpointError(self.final, f"could not be committed ({exc})", "check the save folder is writable")
+        collectives.raise_together(error)  # also the barrier: everyone returns once it is visible
+        return self.final
+
+    def commit(self, files: dict[str, Any] | None = None, update_last: bool = True) -> Path:
+        """Rank 0 only: manifest (written last), atomic rename, then ``last``."""
+        if files is None:  # asynchronous saves hash everything here, in the background
+            files = layout.hash_files(self.tmp, layout.list_files(self.tmp))
+        layout.write_manifest(self.tmp, {**self.manifest, "files": files})
+        layout.commit(self.tmp, self.final)
+        if update_last:
+            layout.update_link(self.folder, "last", self.name)
+        return self.final
+
+
+def _manifest(name: str, state: Any, save_type: str, world: int, metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    import kiln
+
+    engine = getattr(state, "engine", None)
+    strategy = engine.strategy.describe() if engine is not None and hasattr(engine, "strategy") else {"name": "none"}
+    numbers = {}
+    for key, value in dict(state.metrics if metrics is None else metrics).items():
+        try:
+            numbers[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    now = time.time()
+    return {
+        "format": layout.FORMAT_NAME, "format_version": layout.FORMAT_VERSION, "name": name,
+        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"), "created_unix": now,
+        "timestamp": state.timestamp.state_dict(), "world_size": world, "strategy": strategy,
+        "save_type": save_type, "metrics": numbers, "run_name": getattr(state, "run_name", None),
+        "precision": str(getattr(engine, "precision", None)) if engine is not None else None,
+        "config": run_config(state), "torch_version": torch.__version__, "kiln_version": kiln.__version__,
+    }
+
+
+def save_checkpoint(folder: str | os.PathLike, state: Any, save_type: str = "sharded", *, name: str | None = None,
+                    metrics: Mapping[str, Any] | None = None, update_last: bool = True) -> Path:
+    """Write a checkpoint of ``state`` into ``folder``; every rank must call it. Returns its path.
+
+    Args:
+        folder: the save folder (created if needed); the checkpoint is ``folder/ep{E}-ba{B}``.
+        state: the kiln ``State`` (with ``state.engine`` for the wrapped model and optimizer).
+        save_type: ``"sharded"``, ``"deduped"`` or ``"merged"`` (see :mod:`kiln.checkpoint.formats`).
+        name: the folder name instead of ``ep{E}-ba{B}``.
+        metrics: recorded in the manifest (default ``state.metrics``).
+        update_last: point ``folder/last`` at the new checkpoint.
+
+    Example::
+
+        path = kiln.checkpoint.save_checkpoint("runs/a", trainer.state)
+    """
+    job = SaveJob(folder, state, save_type, name, metrics)
+    job.write(state)
+    return job.commit_together(update_last)
+
+
+def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.PathLike | None = None,
+                    strict: bool = True, verify: bool = True, restore_rng: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into ``state`` for an exact resume; every rank must call it. Returns its manifest.
+
+    Args:
+        path: a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), or a save folder.
+        state: the kiln ``State`` to restore (model, optimizer, schedulers, scaler, timestamp, RNG,
+            sampler position, callbacks, algorithms).
+        folder: where ``"last"``/``"best"`` live.
+        strict: every model tensor must be in the checkpoint and vice versa (shapes must always match).
+        verify: check every file's sha256 (each rank checks a share); False checks only sizes.
+        restore_rng: restore this rank's RNG states (only possible on the world size it was saved with).
+
+    Raises:
+        CheckpointError: naming the file and the problem, on every rank.
+    """
+    rank, world = collectives.rank_and_world()
+    error, manifest = None, None
+    found: Any = None
+    if rank == 0:  # one rank resolves links, so every rank loads the same checkpoint
+        try:
+            found = str(layout.resolve_checkpoint(folder, path))
+        except CheckpointError as exc:
+            found = exc
+    found = collectives.broadcast_object(found)
+    if isinstance(found, CheckpointError):
+        raise found
+    resolved = Path(found)
+    try:
+        manifest = layout.read_manifest(resolved)
+        if manifest.get("save_type") not in SAVE_TYPES:
+            raise CheckpointError(resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
+        layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
+    except CheckpointError as exc:
+        error = exc
+    collectives.raise_together(error)
+    try:
+        read_checkpoint_files(resolved, manifest, state, strict=strict, restore_rng=restore_rng)
+    except CheckpointError as exc:
+        error = exc
+    except Exception as exc:  # torch's own errors, from deep inside: say which checkpoint and what
+        error = CheckpointError(resolved, f"could not be loaded into this run ({type(exc).__name__}: "
+                                          f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})")
+    collectives.raise_together(error)
+    return manifest
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a checkpoint folder: complete, known format version, every file's size and sha256, and
+    that its pickled parts load without running code. Returns the manifest; raises CheckpointError.
+
+    Example::
+
+        kiln.checkpoint.verify_checkpoint("runs/a/last")   # or: kiln checkpoint verify runs/a/last
+    """
+    path = Path(path)
+    manifest = layout.read_manifest(path)
+    layout.verify_files(path, manifest)
+    if manifest.get("save_type") not in SAVE_TYPES:
+        raise CheckpointError(path / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
+    if manifest["save_type"] != "merged":
+        read_dcp_metadata(path)
+    for name in manifest["files"]:
+        if name.endswith(".pt"):
+            safe_torch_load(path / name, mmap=True)  # mmap: the pickle is checked, tensor bytes are not read
+    return manifest

@@ -1,0 +1,177 @@
+"""Working on checkpoint folders with no process group and no model: inspect, merge, export.
+
+These back ``kiln checkpoint inspect|merge|export``; they read sharded checkpoints whole with
+DCP's no-model planner (in its safe form) and never unpickle code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.checkpoint import layout
+from kiln.checkpoint.checkpointing import verify_checkpoint
+from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.formats import MERGED_FILE, _flat_shapes, training_state_file
+from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, read_dcp_metadata, safe_torch_load
+
+__all__ = ["load_full", "inspect_checkpoint", "format_inspection", "merge_checkpoint", "export_safetensors"]
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    """``(manifest, {"model": ..., "optimizer": ...}, [training state of each rank])``, all full tensors on CPU."""
+    # DCP's public load() only fills keys the caller's dict already has; the private loader is
+    # what DCP's own dcp_to_torch_save uses to rebuild a whole state dict from the metadata.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    if manifest["save_type"] == "merged":
+        merged = safe_torch_load(path / MERGED_FILE, mmap=True)
+        return manifest, {"model": merged["model"], "optimizer": merged.get("optimizer")}, list(merged.get("ranks") or [])
+    tensors: dict[str, Any] = {}
+    planner = SafeEmptyLoadPlanner(keys={"model"} if model_only else None)
+    try:
+        _load_state_dict(tensors, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(path, f"could not be read ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
+    ranks = [safe_torch_load(path / training_state_file(r)) for r in range(int(manifest.get("world_size", 1)))
+             if (path / training_state_file(r)).exists()] if not model_only else []
+    return manifest, {"model": tensors.get("model", {}), "optimizer": tensors.get("optimizer")}, ranks
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A summary of a checkpoint without loading its tensors: manifest, sizes, and every model tensor's shape.
+
+    Example::
+
+        info = kiln.checkpoint.inspect_checkpoint("runs/a/last")
+        info["num_parameters"], info["timestamp"]["batch"]
+    """
+    path = Path(path).resolve()
+    manifest = layout.read_manifest(path)
+    shapes: dict[str, tuple[list[int], str]] = {}
+    optimizer_tensors = 0
+    if manifest.get("save_type") == "merged":
+        merged = safe_torch_load(path / MERGED_FILE, mmap=True)
+        shapes = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in merged["model"].items()
+                  if isinstance(v, torch.Tensor)}
+        optimizer_tensors = len(_flat_shapes({"optimizer": merged.get("optimizer")}))
+    else:
+        for key, md in read_dcp_metadata(path).state_dict_metadata.items():
+            if not hasattr(md, "size"):
+                continue
+            if key.startswith("model."):
+                shapes[key[len("model."):]] = (list(md.size), str(md.properties.dtype).replace("torch.", ""))
+            elif key.startswith("optimizer."):
+                optimizer_tensors += 1
+    num_parameters = sum(_numel(shape) for shape, _ in shapes.values())
+    files = manifest["files"]
+    return {**{k: v for k, v in manifest.items() if k != "files"}, "path": str(path), "num_files": len(files),
+            "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "model": shapes,
+            "num_parameters": num_parameters, "optimizer_tensors": optimizer_tensors}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def format_inspection(info: dict[str, Any], max_tensors: int = 40) -> str:
+    ts = info.get("timestamp") or {}
+    strategy = (info.get("strategy") or {}).get("name", "?")
+    lines = [
+        f"checkpoint  {info['path']}",
+        f"type        {info['save_type']} (format {info['format_version']}, kiln {info.get('kiln_version')}, "
+        f"torch {info.get('torch_version')})",
+        f"created     {info.get('created')}",
+        f"progress    epoch {ts.get('epoch', 0)}, batch {ts.get('batch', 0)}, sample {ts.get('sample', 0)}"
+        f" ({ts.get('batch_in_epoch', 0)} batches into the epoch)",
+        f"saved by    {info.get('world_size')} rank(s), strategy {strategy}, precision {info.get('precision')}",
+        f"metrics     {', '.join(f'{k}={v:.6g}' for k, v in sorted((info.get('metrics') or {}).items())) or '-'}",
+        f"files       {info['num_files']} files, {info['bytes'] / 1e6:.1f} MB",
+        f"model       {len(info['model'])} tensors, {info['num_parameters']:,} parameters",
+    ]
+    for i, (name, (shape, dtype)) in enumerate(sorted(info["model"].items())):
+        if i == max_tensors:
+            lines.append(f"  ... and {len(info['model']) - max_tensors} more")
+            break
+        lines.append(f"  {name:<48} {str(shape):<20} {dtype}")
+    lines.append(f"optimizer   {info['optimizer_tensors']} state tensors" if info["optimizer_tensors"] else "optimizer   none saved")
+    return "\n".join(lines)
+
+
+def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Turn a sharded or deduped checkpoint into a ``merged`` one at ``dst`` (written atomically).
+
+    Example::
+
+        kiln.checkpoint.merge_checkpoint("runs/a/ep3-ba120", "exports/ep3-ba120-merged")
+    """
+    manifest, tensors, ranks = load_full(src)
+    dst = Path(dst)
+    if dst.exists():
+        raise CheckpointError(dst, "already exists", "choose a new destination or remove it first")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(layout.temporary_name(dst.name))
+    tmp.mkdir()
+    with open(tmp / MERGED_FILE, "wb") as f:
+        torch.save({"model": tensors["model"], "optimizer": tensors["optimizer"], "ranks": ranks}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    merged = {**{k: v for k, v in manifest.items() if k != "files"}, "save_type": "merged",
+              "merged_from": str(Path(src).resolve()),
+              "files": layout.hash_files(tmp, layout.list_files(tmp))}
+    layout.write_manifest(tmp, merged)
+    return layout.commit(tmp, dst)
+
+
+def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:
+    """Write the model weights of a checkpoint to a ``.safetensors`` file (for inference and model hubs).
+
+    Args:
+        path: a checkpoint folder of any save type.
+        out: the output file (or a folder, which gets ``model.safetensors``).
+        dtype: cast floating-point weights (``"bf16"``, ``"fp16"``, ``"fp32"``).
+
+    Example::
+
+        kiln.checkpoint.export_safetensors("runs/a/best", "model.safetensors", dtype="bf16")
+    """
+    from safetensors.torch import save_file
+
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    manifest, tensors, _ = load_full(path, model_only=True)
+    out = Path(out)
+    if out.is_dir():
+        out = out / "model.safetensors"
+    weights, seen = {}, set()
+    for name, value in sorted(tensors["model"].items()):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        # safetensors refuses tensors sharing storage (tied weights): give each its own.
+        if value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        weights[name] = value.contiguous()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(layout.temporary_name(out.name))
+    save_file(weights, str(tmp), metadata={"format": "pt", "kiln_checkpoint": manifest["name"],
+                                           "timestamp_batch": str((manifest.get("timestamp") or {}).get("batch", ""))})
+    os.replace(tmp, out)
+    return out

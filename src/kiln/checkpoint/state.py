@@ -1,0 +1,249 @@
+"""What a checkpoint holds, taken from and put back into a kiln ``State`` (and its Engine).
+
+Two parts, because they are stored differently:
+
+- model and optimizer tensors, through ``torch.distributed.checkpoint.state_dict``'s
+  ``get_state_dict``/``set_state_dict``, which speak plain modules, DDP, FSDP2 and DTensor alike
+  and key the optimizer state by parameter name (so it survives a change of world size);
+- the *training state* of each rank, small and stored per rank: timestamp, schedulers, grad scaler,
+  the Engine's accumulation counter, RNG states (python, numpy, torch, cuda), the sampler position,
+  and callback and algorithm ``state_dict``\\ s.
+
+Bit-exact resume needs one more thing from the loop: ``DataLoader.__iter__`` draws a seed from
+torch's global RNG. An uninterrupted run drew it at the start of the epoch, before the RNG state a
+mid-epoch checkpoint recorded; a resumed run draws it after restoring that state. Call
+:func:`restore_rng_after_iter` right after creating the first iterator of a resumed run to put the
+recorded state back.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections import Counter
+from typing import Any, Mapping
+
+import torch
+
+from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.serialization import check_loadable
+
+__all__ = ["training_objects", "model_optimizer_state", "load_model_optimizer_state", "collect_training_state",
+           "serialize_training_state", "restore_training_state", "rng_state", "set_rng_state",
+           "restore_dataloader_position", "restore_rng_after_iter", "run_config"]
+
+_PENDING = "_kiln_checkpoint_resume"  # attribute on State: what load_checkpoint could not apply yet
+
+
+# -- model and optimizer ------------------------------------------------------------------------
+def training_objects(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
+    """The model as the strategy wrapped it, and the optimizer that steps it."""
+    engine = getattr(state, "engine", None)
+    optimizer = getattr(engine, "optimizer", None) if engine is not None else None
+    if optimizer is None:
+        optimizer = state.optimizers[0] if state.optimizers else None
+    return (engine.model if engine is not None else state.model), optimizer
+
+
+def model_optimizer_state(state: Any, full: bool = False, with_optimizer: bool | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` keyed by parameter name (``kiln.parallel.dcp_state``'s
+    form, which knows DDP, FSDP2, ZeRO-1 and DTensor); shards stay shards unless ``full``.
+
+    ``with_optimizer``: None saves the optimizer once it has stepped; True always includes it (a
+    load target, which a checkpoint's values then overwrite).
+    """
+    from kiln.parallel.dcp_state import get_state_dict
+
+    model, optimizer = training_objects(state)
+    if optimizer is not None and (with_optimizer or (with_optimizer is None and _has_stepped(optimizer))):
+        return get_state_dict(model, optimizer, full=full)
+    # DCP would "initialise" a fresh optimizer by stepping it with zero gradients, leaving Adam's
+    # step count at 1 and changing the run. A fresh optimizer has nothing to save.
+    return get_state_dict(model, None, full=full)
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """State exists, or gradients do (then DCP leaves the optimizer alone; stateless SGD lands here)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps state in .optim
+    return bool(inner.state) or bool(optimizer.state) or any(
+        p.grad is not None for g in optimizer.param_groups for p in g["params"])
+
+
+def load_model_optimizer_state(state: Any, saved: Mapping[str, Any], strict: bool = True) -> None:
+    from kiln.parallel.dcp_state import set_state_dict
+
+    model, optimizer = training_objects(state)
+    if saved.get("optimizer") is None:
+        saved = {"model": saved["model"]}
+    set_state_dict(model, optimizer, dict(saved), strict=strict)
+
+
+# -- RNG ----------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, as plain data (loadable with ``weights_only=True``)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    except ImportError:  # numpy is optional
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            warnings.warn(f"the checkpoint has CUDA RNG states for {len(cuda)} devices and this process sees "
+                          f"{torch.cuda.device_count()}; CUDA RNG states are not restored", stacklevel=3)
+
+
+# -- the per-rank training state ----------------------------------------------------------------
+def _keyed(objects: list[Any]) -> dict[str, Any]:
+    """Objects by class name, ``Name#1`` for the second of a class: stable when others are added."""
+    seen: Counter[str] = Counter()
+    keyed = {}
+    for obj in objects:
+        name = type(obj).__name__
+        keyed[name if not seen[name] else f"{name}#{seen[name]}"] = obj
+        seen[name] += 1
+    return keyed
+
+
+def _sampler(state: Any) -> Any:
+    return getattr(getattr(state, "dataloader", None), "sampler", None)
+
+
+def collect_training_state(state: Any) -> dict[str, Any]:
+    engine = getattr(state, "engine", None)
+    if engine is not None and getattr(engine, "_micro", 0):
+        warnings.warn(f"checkpoint taken after micro-step {engine._micro} of {engine.gradient_accumulation}: the "
+                      "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
+                      "them; save at accumulation boundaries (after engine.step() returned True)", stacklevel=4)
+    scaler = getattr(engine, "scaler", None)
+    sampler = _sampler(state)
+    return {
+        "rank": state.rank,
+        "world_size": state.world_size,
+        "timestamp": state.timestamp.state_dict(),
+        "schedulers": [s.state_dict() for s in state.schedulers],
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "engine": {"micro_step": int(getattr(engine, "_micro", 0))} if engine is not None else None,
+        "rng": rng_state(),
+        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+        "callbacks": {k: cb.state_dict() for k, cb in _keyed(state.callbacks).items()},
+        "algorithms": {k: alg.state_dict() for k, alg in _keyed(state.algorithms).items()},
+    }
+
+
+def serialize_training_state(state: Any) -> bytes:
+    """The training state as ``torch.save`` bytes; refuses (naming the owner) what ``weights_only`` cannot load."""
+    collected = collect_training_state(state)
+    for kind in ("callbacks", "algorithms"):
+        for key, value in collected[kind].items():
+            check_loadable(value, f"<{kind[:-1]} {key}.state_dict()>")
+    for index, value in enumerate(collected["schedulers"]):
+        check_loadable(value, f"<scheduler {index} ({type(state.schedulers[index]).__name__}).state_dict()>")
+    return check_loadable(collected, "<training state>")
+
+
+def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True) -> None:
+    """Put a rank's saved training state back; ``source`` names the file in errors."""
+    try:
+        state.timestamp.load_state_dict(saved["timestamp"])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(source, f"has an unreadable timestamp ({exc})") from None
+    if len(saved["schedulers"]) != len(state.schedulers):
+        raise CheckpointError(source, f"holds {len(saved['schedulers'])} LR scheduler(s) and the run has "
+                                      f"{len(state.schedulers)}", "build the run with the same schedulers it was saved with")
+    for scheduler, sd in zip(state.schedulers, saved["schedulers"]):
+        scheduler.load_state_dict(sd)
+    engine = getattr(state, "engine", None)
+    scaler = getattr(engine, "scaler", None)
+    if scaler is not None and saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
+    if engine is not None and saved.get("engine"):
+        engine._micro = int(saved["engine"]["micro_step"])
+    for kind in ("callbacks", "algorithms"):
+        stored = saved.get(kind) or {}
+        for key, obj in _keyed(getattr(state, kind)).items():
+            if key in stored:
+                obj.load_state_dict(stored[key])
+            elif type(obj).state_dict is not _base_state_dict(kind):
+                warnings.warn(f"{source} has no state for {kind[:-1]} {key}; it starts fresh", stacklevel=3)
+    pending = {"sampler": saved.get("sampler"), "rng": saved["rng"] if restore_rng else None,
+               "mid_epoch": state.timestamp.batch_in_epoch.value > 0}
+    setattr(state, _PENDING, pending)
+    if restore_rng:
+        set_rng_state(saved["rng"])
+    if getattr(state, "dataloader", None) is not None:
+        restore_dataloader_position(state)
+
+
+def _base_state_dict(kind: str) -> Any:
+    from kiln.core.callback import Algorithm, Callback
+
+    return (Callback if kind == "callbacks" else Algorithm).state_dict
+
+
+# -- resuming the data stream -------------------------------------------------------------------
+def restore_dataloader_position(state: Any) -> None:
+    """Put the sampler where the checkpoint left it: its seed, the epoch, and the samples consumed.
+
+    A sampler with ``skip`` (kiln's ``ResumableSampler``) starts after the consumed samples of the
+    epoch, so nothing is loaded twice. Safe to call more than once.
+    """
+    pending = getattr(state, _PENDING, None) or {}
+    sampler = _sampler(state)
+    if sampler is None:
+        return
+    if pending.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
+        sampler.load_state_dict(pending["sampler"])
+        pending["sampler"] = None
+    ts = state.timestamp
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(ts.epoch.value)
+    batch_size = getattr(state.dataloader, "batch_size", None)
+    if hasattr(sampler, "skip") and batch_size:
+        sampler.skip(ts.batch_in_epoch.value * batch_size)
+
+
+def restore_rng_after_iter(state: Any) -> bool:
+    """Re-apply the loaded RNG states once, after the first ``iter(dataloader)`` of a mid-epoch resume.
+
+    Returns True when it did. A no-op after an epoch-boundary checkpoint, where the uninterrupted
+    run also created its iterator after the recorded state.
+    """
+    pending = getattr(state, _PENDING, None)
+    if not pending or pending.get("rng") is None:
+        return False
+    rng, pending["rng"] = pending["rng"], None
+    if not pending["mid_epoch"]:
+        return False
+    set_rng_state(rng)
+    return True
+
+
+def run_config(state: Any) -> Any:
+    """The run's configuration, for the manifest: ``state.config``, else the launch context's."""
+    config = getattr(state, "config", None)
+    if not config:
+        from kiln.launch.context import context
+
+        config = context().config
+    return dict(config) if isinstance(config, Mapping) else config

@@ -1,0 +1,90 @@
+"""`kiln checkpoint merge SRC DST | inspect PATH | verify PATH | export PATH --safetensors OUT`.
+
+Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
+checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("checkpoint", help="inspect, verify, merge or export checkpoints",
+                              description="Work with kiln checkpoint folders (no process group needed).")
+    sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+
+    merge = sub.add_parser("merge", help="turn a sharded/deduped checkpoint into one merged file",
+                           description="Write SRC (sharded or deduped) as a merged checkpoint folder DST, "
+                                       "whose checkpoint.pt loads with torch.load(weights_only=True).")
+    merge.add_argument("src", help="checkpoint folder (or a 'last'/'best' link)")
+    merge.add_argument("dst", help="new checkpoint folder to create")
+    merge.set_defaults(func=_merge)
+
+    inspect = sub.add_parser("inspect", help="a readable summary: progress, metrics, files, tensor shapes")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.add_argument("--max-tensors", type=int, default=40, help="model tensors to list (default 40)")
+    inspect.set_defaults(func=_inspect)
+
+    verify = sub.add_parser("verify", help="check sizes and sha256 of every file; exit 0 or print the problem")
+    verify.add_argument("path")
+    verify.set_defaults(func=_verify)
+
+    export = sub.add_parser("export", help="write the model weights to a safetensors file")
+    export.add_argument("path")
+    export.add_argument("--safetensors", required=True, metavar="OUT", help="output .safetensors file (or folder)")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating-point weights")
+    export.set_defaults(func=_export)
+
+
+def _guarded(action):
+    def run(args: argparse.Namespace) -> int:
+        from kiln.checkpoint import CheckpointError
+
+        try:
+            return action(args) or 0
+        except CheckpointError as exc:
+            print(f"kiln checkpoint {args.checkpoint_command}: {exc}", file=sys.stderr)
+            return 1
+    return run
+
+
+@_guarded
+def _merge(args: argparse.Namespace) -> int:
+    from kiln.checkpoint import merge_checkpoint
+
+    print(f"merged {args.src} -> {merge_checkpoint(args.src, args.dst)}")
+    return 0
+
+
+@_guarded
+def _inspect(args: argparse.Namespace) -> int:
+    from kiln.checkpoint import inspect_checkpoint
+    from kiln.checkpoint.offline import format_inspection
+
+    info = inspect_checkpoint(args.path)
+    print(json.dumps(info, indent=2, default=str) if args.json else format_inspection(info, args.max_tensors))
+    return 0
+
+
+@_guarded
+def _verify(args: argparse.Namespace) -> int:
+    from kiln.checkpoint import verify_checkpoint
+
+    manifest = verify_checkpoint(args.path)
+    total = sum(int(f.get("bytes", 0)) for f in manifest["files"].values())
+    print(f"OK {args.path}: {manifest['name']}, {len(manifest['files'])} files, {total / 1e6:.1f} MB, checksums match")
+    return 0
+
+
+@_guarded
+def _export(args: argparse.Namespace) -> int:
+    from kiln.checkpoint import export_safetensors
+
+    print(f"exported model weights of {args.path} -> {export_safetensors(args.path, args.safetensors, args.dtype)}")
+    return 0

@@ -1,0 +1,135 @@
+"""The checkpoint folder: atomic commit, manifest checksums, verification, links, retention, debris."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kiln.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from kiln.checkpoint import layout
+from workers.ckpt_common import build_state, train
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = build_state()
+    train(state, 3)
+    return save_checkpoint(tmp_path, state), state
+
+
+def test_folder_manifest_and_link(saved, tmp_path):
+    path, _ = saved
+    assert path == tmp_path / "ep0-ba3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba3", "last"]  # no temporary left behind
+    assert os.readlink(tmp_path / "last") == "ep0-ba3"  # relative: the run folder can move
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "kiln-checkpoint" and manifest["format_version"] == layout.FORMAT_VERSION
+    assert (manifest["world_size"], manifest["save_type"], manifest["timestamp"]["batch"]) == (1, "sharded", 3)
+    assert manifest["strategy"]["name"] == "single" and "created" in manifest and "metrics" in manifest
+    on_disk = layout.list_files(path)
+    assert sorted(manifest["files"]) == on_disk and "manifest.json" not in on_disk
+    for name, record in manifest["files"].items():
+        assert record == {"sha256": layout.sha256_file(path / name), "bytes": (path / name).stat().st_size}
+    assert verify_checkpoint(tmp_path / "last")["name"] == "ep0-ba3"
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("flip", "is corrupt"), ("truncate", "truncated"), ("delete", "is missing"),
+])
+def test_verify_names_the_damaged_file(saved, damage, words):
+    path, _ = saved
+    victim = path / "__0_0.distcp"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 3]))
+    else:
+        victim.unlink()
+    with pytest.raises(CheckpointError, match=words) as err:
+        verify_checkpoint(path)
+    assert err.value.path == str(victim)
+    with pytest.raises(CheckpointError, match=words):  # and loading refuses it the same way
+        load_checkpoint(path, build_state(seed=1))
+
+
+def test_incomplete_and_foreign_folders(saved, tmp_path):
+    path, _ = saved
+    tmp = tmp_path / layout.temporary_name("ep0-ba9")
+    tmp.mkdir()
+    with pytest.raises(CheckpointError, match="did not finish"):
+        verify_checkpoint(tmp)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        verify_checkpoint(tmp_path / "nope")
+
+
+def test_newer_format_version_is_refused_with_the_fix(saved):
+    path, _ = saved
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format version 99.*upgrade kiln") as err:
+        load_checkpoint(path, build_state(seed=1))
+    assert err.value.path.endswith("manifest.json")
+
+
+def test_retention_never_deletes_last_or_best(tmp_path):
+    state = build_state()
+    for _ in range(5):
+        train(state, 1)
+        save_checkpoint(tmp_path, state)
+    layout.update_link(tmp_path, "best", "ep0-ba1")
+    removed = layout.apply_retention(tmp_path, keep=1)
+    assert sorted(removed) == ["ep0-ba2", "ep0-ba3", "ep0-ba4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ep0-ba1", "ep0-ba5", "last"]
+    layout.update_link(tmp_path, "last", "ep0-ba1")  # even when `last` points at an old one
+    assert layout.apply_retention(tmp_path, keep=1) == []
+    assert layout.apply_retention(tmp_path, keep=-1) == []
+
+
+def test_debris_is_ignored_cleaned_and_last_falls_back(saved, tmp_path):
+    path, state = saved
+    train(state, 1)
+    newer = save_checkpoint(tmp_path, state, update_last=False)  # a crash before the link moved
+    half = tmp_path / layout.temporary_name("ep0-ba5")
+    half.mkdir()
+    (half / "__0_0.distcp").write_bytes(b"partial")
+    assert [p.name for p, _ in layout.list_checkpoints(tmp_path)] == ["ep0-ba3", "ep0-ba4"]
+    os.unlink(tmp_path / "last")
+    os.symlink("ep0-ba77", tmp_path / "last")  # dangling
+    with pytest.warns(UserWarning, match="most advanced complete checkpoint"):
+        assert layout.resolve_checkpoint(tmp_path, "last") == newer.resolve()
+    assert layout.cleanup_temporary(tmp_path) == [half.name]
+    assert layout.resolve_checkpoint(tmp_path / "none", "last", must_exist=False) is None
+
+
+def test_links_fall_back_to_copies(saved, tmp_path, monkeypatch):
+    path, state = saved
+
+    def no_links(*args, **kwargs):
+        raise OSError("links not supported here")
+
+    monkeypatch.setattr(os, "symlink", no_links)
+    layout.update_link(tmp_path, "best", "ep0-ba3")
+    assert (tmp_path / "best").is_dir() and not (tmp_path / "best").is_symlink()
+    assert layout.link_target(tmp_path, "best") == "ep0-ba3"
+    verify_checkpoint(tmp_path / "best")
+    train(state, 1)
+    save_checkpoint(tmp_path, state)  # replaces the copy `last` was
+    assert layout.link_target(tmp_path, "last") == "ep0-ba4"
+    assert layout.apply_retention(tmp_path, keep=1) == []  # ep0-ba3 is what the `best` copy stands for
+
+
+def test_saving_the_same_step_again_replaces_it_whole(saved, tmp_path):
+    path, state = saved
+    before = json.loads((path / "manifest.json").read_text())["created_unix"]
+    again = save_checkpoint(tmp_path, state)
+    assert again == path and json.loads((path / "manifest.json").read_text())["created_unix"] >= before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba3", "last"]
+    verify_checkpoint(path)
