@@ -2,7 +2,7 @@
 from kiln import AMP_TYPE
 
 BATCH_SIZE = 32
-NUM_EPOCHS = 12
+NUM_EPOCHS = 8
 LEARNING_RATE = 0.05
 
 fp16 = dict(
