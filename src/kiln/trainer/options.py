@@ -57,6 +57,7 @@ class TrainerOptions:
     loggers: list = field(default_factory=list)
     scale_schedule_ratio: float = 1.0
     step_schedulers_every_batch: bool = False
+    splits_batches: bool = False  # whether batches may be split into microbatches at all
 
     @classmethod
     def validate(cls, args: dict[str, Any]) -> TrainerOptions:
@@ -84,6 +85,7 @@ class TrainerOptions:
             if grad_accum != 1:
                 raise ValueError("set either grad_accum or device_train_microbatch_size, not both")
             opts.microbatch = mb
+        opts.splits_batches = opts.auto_microbatch or opts.microbatch is not None or grad_accum > 1
         opts.eval_interval = _interval("eval_interval", args["eval_interval"])
         subset = args["eval_subset_num_batches"]
         if subset is not None and (not isinstance(subset, int) or subset < 1):

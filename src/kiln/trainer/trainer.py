@@ -278,9 +278,10 @@ class Trainer:
                     # Counted as the dataloader gave it (an algorithm may shrink the batch), for
                     # every data-parallel rank as Composer counts, without a collective: the
                     # samplers give every rank the same number of samples per batch.
-                    samples, tokens = num_samples(state.batch) * world, num_tokens(state.batch) * world
-                    self._train_batch()
-                    ts.advance_batch(samples, tokens, time.perf_counter() - start)
+                    samples = num_samples(state.batch)
+                    tokens = 0 if type(state.batch) in (tuple, list) else num_tokens(state.batch)
+                    self._train_batch(samples)
+                    ts.advance_batch(samples * world, tokens * world, time.perf_counter() - start)
                     state.metrics["train/loss"] = state.loss.detach()
                     for scheduler in self._per_batch_schedulers:
                         scheduler.step()
@@ -374,16 +375,17 @@ class Trainer:
             raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
         return size
 
-    def _train_batch(self) -> None:
-        """One optimizer step over ``state.batch``: microbatches with their events, then the step."""
+    def _train_batch(self, batch_size: int) -> None:
+        """One optimizer step over ``state.batch`` (of ``batch_size`` samples): microbatches with
+        their events, then the step."""
         state, events, engine, opts = self.state, self.events, self.engine, self.options
         active, run = events.active, events.run
         if _BEFORE_TRAIN_BATCH in active:
             run(_BEFORE_TRAIN_BATCH)
+            batch_size = num_samples(state.batch)  # an algorithm may have resized the batch
         batch = state.batch
-        batch_size = num_samples(batch)
         while True:
-            microbatch_size = opts.microbatch_size(batch_size)
+            microbatch_size = opts.microbatch_size(batch_size) if opts.splits_batches else batch_size
             try:
                 engine.zero_grad()
                 microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
@@ -432,7 +434,7 @@ class Trainer:
             state.loss = total_loss
         if _AFTER_TRAIN_BATCH in active:
             run(_AFTER_TRAIN_BATCH)
-        if engine.gradient_accumulation > 1:
+        if engine._accum > 1:
             engine.step()  # a user's Engine (Colossal-AI form) accumulating over its own step() calls
         else:
             engine.optimizer_step()
