@@ -52,8 +52,8 @@ def test_event_order_two_epochs_with_eval_accumulation_and_checkpoints(tmp_path)
              *micro, *micro, Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT]
     evaluation = [Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
                   Event.EVAL_BATCH_END, Event.EVAL_END]
-    epoch = [Event.EPOCH_START, *batch, *batch, Event.BEFORE_DATALOADER, Event.EPOCH_END, Event.EPOCH_CHECKPOINT,
-             *evaluation]
+    epoch = [Event.EPOCH_START, *batch, *batch, Event.BEFORE_DATALOADER, Event.EPOCH_END, *evaluation,
+             Event.EPOCH_CHECKPOINT]
     assert rec.events == [Event.INIT, Event.FIT_START, *epoch, *epoch, Event.FIT_END]
 
 
@@ -292,3 +292,28 @@ def test_two_rank_ddp_logs_the_mean_loss_counts_all_samples_and_matches_one_proc
             opt.step()
     for k, v in model.state_dict().items():
         assert torch.allclose(torch.tensor(r0["weights"][k]), v, atol=1e-6), k
+
+
+def test_resume_is_exact_when_eval_and_checkpoint_share_a_step(tmp_path):
+    """Eval draws from the global RNG (its DataLoader's seed); it runs before the checkpoint, so a
+    resumed run continues from the same RNG state as an uninterrupted one."""
+
+    def make(max_duration, **kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 2))
+        return kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
+                            torch.utils.data.DataLoader(_data(16, seed=1), batch_size=8, shuffle=True),
+                            max_duration=max_duration, eval_interval="3ba", optimizers=torch.optim.AdamW(
+                                model.parameters(), lr=0.01), criterion=nn.CrossEntropyLoss(), seed=4,
+                            progress_bar=False, **kw)
+
+    full = make("14ba")
+    full.fit()
+    first = make("6ba", save_folder=str(tmp_path), save_interval="3ba", save_type="merged")
+    first.fit()
+    resumed = make("14ba", save_folder=str(tmp_path), save_interval="3ba", save_type="merged", load_path="last")
+    assert resumed.state.timestamp.batch.value == 6
+    resumed.fit()
+    for a, b in zip(full.state.model.parameters(), resumed.state.model.parameters()):
+        assert torch.equal(a, b)
+    assert full.state.metrics["eval/loss"] == resumed.state.metrics["eval/loss"]

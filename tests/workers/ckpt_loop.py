@@ -15,6 +15,7 @@ import math
 import os
 import random
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -111,7 +112,26 @@ while ts.epoch.value < args.epochs and not state.stopped:
     else:
         ts.advance_epoch()
         saver.run_event(kiln.Event.EPOCH_CHECKPOINT, state, None)
-saver.run_event(kiln.Event.FIT_END, state, None)
+
+
+def finish(code: int) -> None:
+    # Leave without interpreter teardown when distributed: gloo's threads can abort the process
+    # (SIGABRT, "terminate called without an active exception") while Python finalises, which
+    # would turn a finished run's exit status into -6 now and then.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
+
+
+try:
+    saver.run_event(kiln.Event.FIT_END, state, None)
+except SystemExit as exc:  # the preemption exit, status 75
+    finish(exc.code)
 final = kiln.parallel.dcp_state.get_state_dict(engine.model, optimizer, full=True)
 torch.save({**final, "calls": jitter.calls, "lr": scheduler.get_last_lr(), "batch": ts.batch.value,
             "rng": torch.get_rng_state()}, f"{args.out}/final_rank{ctx.rank}.pt")
+finish(0)

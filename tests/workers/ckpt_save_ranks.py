@@ -4,6 +4,7 @@ the full model and optimizer state for comparison.
     python ckpt_save_ranks.py OUT STRATEGY [SAVE_TYPES=sharded,deduped,merged]
 """
 
+import os
 import sys
 
 import torch
@@ -35,3 +36,4 @@ full = get_state_dict(engine.model, engine.optimizer, full=True)
 if ctx.rank == 0:
     torch.save(full, f"{out}/expected.pt")
 torch.distributed.destroy_process_group()
+os._exit(0)  # gloo's threads can abort the process while Python finalises (SIGABRT now and then)

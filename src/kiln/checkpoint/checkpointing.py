@@ -10,6 +10,9 @@ Saving, on every rank::
 
 A failure on any rank is raised on every rank (nobody waits forever in a collective), and a crash
 at any point leaves only ``*.tmp-*`` debris next to the previous, intact checkpoints.
+
+The save folder must be one filesystem that every rank sees (as DCP assumes), and one run writes
+into a save folder at a time: a starting run removes the temporary debris it finds there.
 """
 
 from __future__ import annotations

@@ -73,6 +73,8 @@ def gloo_group(purpose: str) -> Any:
     """
     if not _active():
         return None
-    if purpose not in _GLOO_GROUPS:
-        _GLOO_GROUPS[purpose] = dist.new_group(backend="gloo")
-    return _GLOO_GROUPS[purpose]
+    world = dist.group.WORLD
+    cached = _GLOO_GROUPS.get(purpose)
+    if cached is None or cached[0] is not world:  # a new default group (destroyed and launched again)
+        _GLOO_GROUPS[purpose] = (world, dist.new_group(backend="gloo"))
+    return _GLOO_GROUPS[purpose][1]

@@ -131,7 +131,7 @@ class CheckpointSaver(Callback):
     def fit_end(self, state: Any, logger: Any) -> None:
         try:
             self.save(state)  # the final checkpoint, whatever the interval
-            self._raise_pending_error()
+            self._wait()
         finally:
             self._fitting = False
             if self.preemption is not None:
@@ -143,7 +143,7 @@ class CheckpointSaver(Callback):
             self.preemption.exit()
 
     def close(self, state: Any, logger: Any) -> None:
-        self._raise_pending_error()
+        self._wait()
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, state: Any) -> Path | None:
@@ -151,7 +151,7 @@ class CheckpointSaver(Callback):
         name = self._name(state)
         if name == self._saved_name:
             return self.last_path
-        self._raise_pending_error()  # one save in flight at a time; report a failed one first
+        self._wait()  # one save in flight at a time; a failed one is reported first
         if self.best_metric is not None and self._improves(state):
             self._mark_best(name, float(state.metrics[self.best_metric]), link_now=False)
         if self.save_async:
@@ -173,12 +173,10 @@ class CheckpointSaver(Callback):
         layout.apply_retention(self.folder, self.num_checkpoints_to_keep, protect=protect)
 
     def _wait(self) -> None:
+        """Finish the save in flight; its failure is raised on every rank together."""
         if self._pending is not None:
             error, self._pending = self._pending.wait(), None
             collectives.raise_together(error)
-
-    def _raise_pending_error(self) -> None:
-        self._wait()
 
     # -- policy -------------------------------------------------------------------------------
     @staticmethod

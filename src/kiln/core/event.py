@@ -37,11 +37,11 @@ class Event(str, Enum):
                 optimizer.step()              # unscale, clip, step; per-batch schedulers step
                 timestamp += batch            # the batch is counted before BATCH_END
                 BATCH_END
+                if eval is due: <eval loop>   # before the checkpoint, which records its metrics
                 BATCH_CHECKPOINT              # CheckpointSaver saves here on batch intervals
-                if eval is due: <eval loop>
             EPOCH_END
-            EPOCH_CHECKPOINT                  # CheckpointSaver saves here on epoch intervals
             if eval is due: <eval loop>
+            EPOCH_CHECKPOINT                  # CheckpointSaver saves here on epoch intervals
         FIT_END
 
         <eval loop>:

@@ -134,6 +134,8 @@ class Trainer:
             run_name=run_name or "kiln")
         state.engine = engine
         state.loss_fn = self.loss_fn
+        state.config = self.config  # recorded in each checkpoint's manifest
+        self._loaded_checkpoint = False
         state.max_duration = opts.max_duration
         self._check_algorithms()
 
@@ -226,6 +228,7 @@ class Trainer:
         path = resolve_checkpoint(save_folder, load_path)
         self.events.run(Event.BEFORE_LOAD)
         load_checkpoint(path, self.state)
+        self._loaded_checkpoint = True
         self.events.run(Event.AFTER_LOAD)
 
     # -- small helpers the loop and the evaluator share ----------------------------------------
@@ -291,10 +294,12 @@ class Trainer:
                         self._log_train()
                     if progress._bar is not None:
                         progress.update(state)
-                    if _BATCH_CHECKPOINT in active:
-                        run(_BATCH_CHECKPOINT)
+                    # Evaluation runs before the checkpoint event (Composer's order): the checkpoint
+                    # then holds this step's metrics and the RNG state after the eval loader drew from it.
                     if evaluate_batches and opts.eval_due(state, Event.BATCH_END):
                         self.eval()
+                    if _BATCH_CHECKPOINT in active:
+                        run(_BATCH_CHECKPOINT)
                     if state._stop or (not by_epoch and getattr(ts, counter) >= limit):
                         break
                 if batch is not None or state._stop:
@@ -306,9 +311,9 @@ class Trainer:
                 for scheduler in self._per_epoch_schedulers:
                     scheduler.step()
                 run(Event.EPOCH_END)
-                run(Event.EPOCH_CHECKPOINT)
                 if self.eval_dataloader is not None and opts.eval_due(state, Event.EPOCH_END):
                     self.eval()
+                run(Event.EPOCH_CHECKPOINT)
             run(Event.FIT_END)
             self.logger.flush()
         finally:
@@ -363,6 +368,13 @@ class Trainer:
             self.events.run(Event.EPOCH_START)
         self.progress.start_epoch(state)
         iterator = iter(loader)
+        if self._loaded_checkpoint:
+            from kiln.checkpoint import restore_rng_after_iter
+
+            # iter() drew a seed from the global RNG; a mid-epoch resume must continue from the
+            # RNG state the uninterrupted run had at this point (a no-op after the first epoch).
+            restore_rng_after_iter(state)
+            self._loaded_checkpoint = False
         if resume_skip and not skip_in_sampler:
             for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
                 next(iterator, None)
@@ -489,6 +501,7 @@ class Trainer:
         from kiln.checkpoint import load_checkpoint
 
         load_checkpoint(path, self.state)
+        self._loaded_checkpoint = True
 
     def close(self) -> None:
         """Release loggers and callbacks (files, writers)."""
