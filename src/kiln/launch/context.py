@@ -116,6 +116,7 @@ def launch(
     local_rank: int | None = None,
     seed: int | None = None,
     timeout: timedelta | None = None,
+    store: dist.Store | None = None,
 ) -> Context:
     """Join (or create) the default process group and record the :class:`Context`.
 
@@ -137,13 +138,14 @@ def launch(
     used_backend = None
     if world_size > 1:
         if not dist.is_initialized():
+            rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://{host}:{port}"}
             dist.init_process_group(
                 backend=backend,
-                init_method=f"tcp://{host}:{port}",
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout or timedelta(minutes=10),
                 device_id=device if device.type == "cuda" else None,
+                **rendezvous,
             )
         used_backend = dist.get_backend()
     ctx = Context(rank, world_size, local_rank, device, cfg, used_backend)
@@ -158,7 +160,21 @@ def launch(
 def launch_from_torch(config: Config | dict | str | Path | None = None, backend: str = "auto", seed: int | None = None) -> Context:
     """Launch from torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
     rank, world, local = from_torchrun()
-    return launch(config, rank, world, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], backend, local, seed)
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    return launch(config, rank, world, host, port, backend, local, seed, store=_elastic_store(host, port, world))
+
+
+def _elastic_store(host: str, port: str, world_size: int) -> dist.Store | None:
+    """Under torchrun the agent hosts the store; each restart attempt gets its own key prefix.
+
+    Without the prefix, the workers of a restarted attempt read the addresses the dead attempt's
+    workers published under the same keys and hang connecting to them.
+    """
+    if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"kiln/attempt{attempt}", client)
 
 
 def launch_from_slurm(
