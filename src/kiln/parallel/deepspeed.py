@@ -38,7 +38,10 @@ class DeepSpeed(Strategy):
     ``deepspeed_config`` (its ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
     ``zero_optimization``, ``fp16``/``bf16`` sections); set kiln's own ``precision``,
     ``gradient_accumulation`` and ``clip_grad_norm`` to their defaults. Not exercised in kiln's test
-    suite beyond the missing-package error: DeepSpeed is not installed there.
+    suite beyond the missing-package error: DeepSpeed is not installed there. Known gap: the Engine
+    still calls ``loss.backward()`` and ``optimizer.step()``, while DeepSpeed's ZeRO expects its own
+    ``engine.backward(loss)`` and ``engine.step()``; until the Engine delegates those two calls to
+    the strategy, treat this strategy as unfinished.
 
     Args:
         deepspeed_config: a dict, or the path of a DeepSpeed JSON file.
