@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -319,7 +320,18 @@ def test_wandb_logger_offline_run(monkeypatch, tmp_path):
     destination.close()
 
     (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
-    rows = _read_wandb_history(run_dir / f"run-{run_id}.wandb")
+    # wandb's service process may still be writing the run file after finish() returns: poll.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            rows = _read_wandb_history(run_dir / f"run-{run_id}.wandb")
+        except Exception:  # a record still being written
+            if time.monotonic() > deadline:
+                raise
+            rows = []
+        if len(rows) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [(r["_step"], r["train/loss"]) for r in rows] == [(1, 0.5), (2, 0.25)]
     assert rows[1]["eval/acc"] == 0.75
 
