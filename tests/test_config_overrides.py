@@ -410,3 +410,9 @@ def test_build_bad_value_type():
     with pytest.raises(ConfigError) as e:
         build_value({"n": {"__value_type": "int", "value": "1", "extra": 2}})
     assert e.value.path == "n" and "extra key(s) ['extra']" in str(e.value)
+
+
+def test_null_on_the_command_line_is_none():
+    from kiln.config.overrides import guess_value
+
+    assert guess_value("null") is None and guess_value("None") is None and guess_value("nullable") == "nullable"

@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Components are named by dotted paths relative to the project (``examples.mlp_model.MLP``);
+    # the console script's sys.path starts at its own folder, so add the working directory as
+    # ``python -m`` would.
+    import os
+
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)

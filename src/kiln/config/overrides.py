@@ -124,13 +124,16 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 def guess_value(raw: str) -> Any:
     """Guess a command-line value's type: ``ast.literal_eval``, else the string itself.
 
-    ``"1e-3"`` -> 0.001, ``"[1,2]"`` -> [1, 2], ``"None"`` -> None, ``"true"``/``"false"`` -> bool
-    (as in nnScaler), ``"abc"``, ``"1.2.3"`` and ``"path/to.yaml"`` stay strings.
+    ``"1e-3"`` -> 0.001, ``"[1,2]"`` -> [1, 2], ``"None"``/``"null"`` -> None, ``"true"``/``"false"``
+    -> bool (as in nnScaler; ``null`` as YAML writes it, e.g. in ``--print-config`` output),
+    ``"abc"``, ``"1.2.3"`` and ``"path/to.yaml"`` stay strings.
     """
     if raw == "true":
         return True
     if raw == "false":
         return False
+    if raw == "null":
+        return None
     try:
         return ast.literal_eval(raw)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
