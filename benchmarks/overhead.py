@@ -77,10 +77,12 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
     for _ in range(2):  # warm up allocator and autograd caches
         raw_loop(m_raw, o_raw, crit, data[:50]); engine_loop(engine, data[:50]); trainer_loop(trainer, data[:50])  # noqa: E702
     times: dict[str, list[float]] = {"raw": [], "engine": [], "trainer": []}
-    for _ in range(rounds):
-        times["raw"].append(raw_loop(m_raw, o_raw, crit, data) / steps)
-        times["engine"].append(engine_loop(engine, data) / steps)
-        times["trainer"].append(trainer_loop(trainer, data) / steps)
+    loops = {"raw": lambda: raw_loop(m_raw, o_raw, crit, data), "engine": lambda: engine_loop(engine, data),
+             "trainer": lambda: trainer_loop(trainer, data)}
+    order = list(loops)
+    for r in range(rounds):
+        for loop in order[r % 3:] + order[:r % 3]:  # rotate, so no loop always runs first
+            times[loop].append(loops[loop]() / steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{name}: raw {med['raw'] * 1e6:.1f} us/step | engine {med['engine'] * 1e6:.1f} us "
           f"({med['engine'] / med['raw']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({med['trainer'] / med['raw']:.3f}x)")
