@@ -13,17 +13,18 @@ from python's, numpy's and torch's global RNGs. ``--die-after N`` ends the proce
 import argparse
 import math
 import os
-import random
 import signal
 import sys
 
-import numpy as np
 import torch
 from torch import nn
 
 import kiln
 from kiln.checkpoint import CheckpointSaver, load_checkpoint, restore_rng_after_iter
 from kiln.launch.data import ResumableSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ckpt_common import Noise  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -43,28 +44,6 @@ ctx = kiln.launch_from_torch(seed=0) if "RANK" in os.environ else kiln.launch(se
 torch.manual_seed(0)
 
 
-class Jitter(kiln.Algorithm):
-    """Adds noise drawn from all three global RNGs; counts its calls (state to checkpoint)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def match(self, event, state):
-        return event == kiln.Event.AFTER_DATALOADER
-
-    def apply(self, event, state, logger):
-        self.calls += 1
-        x, y = state.batch
-        scale = 0.01 * random.random() + 0.01 * float(np.random.rand())
-        state.batch = (x + scale * torch.randn_like(x), y)
-
-    def state_dict(self):
-        return {"calls": self.calls}
-
-    def load_state_dict(self, sd):
-        self.calls = sd["calls"]
-
-
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 total_steps = args.epochs * 12 // ctx.world_size
@@ -78,7 +57,7 @@ loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
 
 saver = CheckpointSaver(f"{args.out}/ckpt", interval=args.interval, save_type=args.save_type,
                         save_async=args.save_async, num_checkpoints_to_keep=args.keep)
-jitter = Jitter()
+jitter = Noise()  # draws from all three global RNGs; its call count is checkpointed
 state = kiln.State(model, rank=ctx.rank, world_size=ctx.world_size, optimizers=[optimizer], schedulers=[scheduler],
                    algorithms=[jitter], callbacks=[saver])
 state.engine, state.dataloader = engine, loader

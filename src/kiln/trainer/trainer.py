@@ -552,5 +552,4 @@ def _targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any]
     def loss(outputs: Any, batch: Any) -> torch.Tensor:
         return criterion(outputs, batch[1])
 
-    loss.criterion = criterion  # type: ignore[attr-defined]
     return loss
