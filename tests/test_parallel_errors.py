@@ -93,7 +93,11 @@ def test_parallel_dims_validate_types():
     assert ParallelDims(dp_replicate=2, dp_shard=1).resolve(2).mesh_shape() == ((2, 1), ("dp_replicate", "dp_shard"))
 
 
-def test_deepspeed_missing_names_the_package():
+def test_deepspeed_missing_names_the_package(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(ImportError, match="strategy='deepspeed' needs the 'deepspeed' package, which is not installed"):
         get_strategy("deepspeed", deepspeed_config={"train_micro_batch_size_per_gpu": 1})
 

@@ -71,6 +71,7 @@ class Engine:
         self.ctx = ctx or context()
         self.precision = get_precision(precision)
         self.strategy = get_strategy(strategy, self.ctx)
+        self.strategy.configure(gradient_accumulation=gradient_accumulation, clip_grad_norm=clip_grad_norm)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
         # Pipeline parallelism runs forward, loss and backward of all microbatches in one schedule
         # step: engine(x) defers, criterion() records, backward() runs it (kiln.parallel.pipeline).
@@ -79,7 +80,9 @@ class Engine:
         self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion
         self.clip_grad_norm = clip_grad_norm
-        self.scaler = self.precision.make_scaler(self.ctx.device)
+        # A strategy that owns the step (DeepSpeed) also owns loss scaling, accumulation and clipping.
+        self._owned = self.strategy.owns_step
+        self.scaler = None if self._owned else self.precision.make_scaler(self.ctx.device)
         self.device = self.ctx.device
         self._accum = gradient_accumulation
         self._micro = 0
@@ -123,6 +126,10 @@ class Engine:
             scale = weight if weight is not None else 1.0 / self._accum
             self._pipeline.backward(loss, scale=scale, scaler=self.scaler)
             return
+        if self._owned:
+            self.strategy.backward(self.model, loss, weight if weight is not None else
+                                   (1.0 / self._accum if self._accum > 1 else None))
+            return
         if weight is not None:
             loss = loss * weight
         elif self._accum > 1:
@@ -154,6 +161,9 @@ class Engine:
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
+        if self._owned:
+            self.last_grad_norm = self.strategy.optimizer_step(self.model)
+            return
         scaler = self.scaler
         if self.clip_grad_norm is not None:
             if scaler is not None:

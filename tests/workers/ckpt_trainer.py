@@ -47,7 +47,8 @@ trainer = kiln.Trainer(
     save_folder=f"{args.out}/ckpt", save_interval=args.interval, save_type=args.save_type,
     save_async=args.save_async, autoresume=args.autoresume, progress_bar=False)
 trainer.fit()
-final = kiln.parallel.dcp_state.get_state_dict(trainer.engine.model, trainer.engine.optimizer, full=True)
+engine = trainer.engine
+final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)
 torch.save({**final, "batch": trainer.state.timestamp.batch.value}, f"{args.out}/final_rank{trainer.state.rank}.pt")
 if torch.distributed.is_initialized():
     # gloo's threads can abort the process while Python finalises (SIGABRT now and then): leave first

@@ -1,5 +1,7 @@
 """The small model and data every parallel parity test trains: 4 residual MLP blocks."""
 
+import os
+
 import torch
 from torch import nn
 
@@ -33,7 +35,8 @@ class Net(nn.Module):
 
 # float64 keeps reduction-order noise (different sums on different layouts) near 1e-15, so a
 # 1e-5 tolerance after Adam, which amplifies relative noise in small gradients, catches logic errors only.
-DTYPE = torch.float64
+# DeepSpeed reduces only half and single precision: its launch sets KILN_PARITY_DTYPE=float32.
+DTYPE = getattr(torch, os.environ.get("KILN_PARITY_DTYPE", "float64"))
 
 
 def make_model(seed: int = 0) -> Net:

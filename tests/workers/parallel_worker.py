@@ -4,7 +4,8 @@ Usage: parallel_worker.py OUT CASE[:VARIANT,...] ... Each rank also trains the s
 itself (no collective), so one launch checks many strategies. Rank 0 writes OUT/parity.json:
 {case: {variant: {"max_diff", "norm", "ref_norm", "loss", "ref_loss"}}}. The zero3 case also saves a
 DCP checkpoint to OUT/ckpt_zero3 (and its full weights to OUT/zero3_full.pt) and loads it back on
-all ranks under ddp.
+all ranks under ddp; the deepspeed_zero2/3 cases do the same. The deepspeed cases run in float32
+(KILN_PARITY_DTYPE=float32) against kiln's ddp, see main().
 """
 
 import json
@@ -37,8 +38,15 @@ CASES = {
     "zero3_offload": lambda: kiln.parallel.Zero3(cpu_offload=True),
     "zero3_amp_bf16": lambda: ("zero3", "amp_bf16"),
     "auto_big": lambda: Auto(memory_budget=1e12),
+    **{f"deepspeed_zero{stage}": (lambda stage=stage: _deepspeed(stage)) for stage in range(4)},
     "auto_small": lambda: Auto(memory_budget=_zero3_bytes() + 1),
 }
+
+
+def _deepspeed(stage):
+    from kiln.parallel.deepspeed import DeepSpeed
+
+    return DeepSpeed({"zero_optimization": {"stage": stage}, "steps_per_print": 10**9})
 
 
 def _zero3_bytes():
@@ -86,26 +94,25 @@ def train(strategy, accum, clip, dp_rank=None, dp_size=1):
 def full_weights(engine):
     if getattr(engine.strategy, "pipeline", None) is not None:
         return full_pipeline_state_dict(engine.model)
-    return full_model_state_dict(engine.model)
+    return full_model_state_dict(engine)
 
 
-def check_checkpoint(engine, out):
-    """zero3 -> DCP save on every rank -> load under ddp on every rank: same weights and Adam state."""
+def check_checkpoint(engine, out, tag):
+    """Save through the strategy (DCP, every rank) -> load under ddp on every rank: same weights
+    and Adam state. The checkpoint layer uses the same strategy hooks."""
     import torch.distributed.checkpoint as dcp
 
-    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
-
-    path = os.path.join(out, "ckpt_zero3")
-    dcp.save(get_state_dict(engine.model, engine.optimizer), checkpoint_id=path)
+    path = os.path.join(out, f"ckpt_{tag}")
+    dcp.save(engine.strategy.state_dict(engine.model, engine.optimizer), checkpoint_id=path)
     full = {k: v.cpu() for k, v in full_weights(engine).items()}
     if dist.get_rank() == 0:
-        torch.save(full, os.path.join(out, "zero3_full.pt"))
+        torch.save(full, os.path.join(out, f"{tag}_full.pt"))
     model = make_model(seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ddp = kiln.Engine(model, opt, nn.CrossEntropyLoss(), strategy="ddp")
-    state = get_state_dict(ddp.model, ddp.optimizer)
+    state = ddp.strategy.state_dict(ddp.model, ddp.optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(ddp.model, ddp.optimizer, state)
+    ddp.strategy.load_state_dict(ddp.model, ddp.optimizer, state)
     loaded = full_model_state_dict(ddp.model)
     diff = max((loaded[k] - full[k]).abs().max().item() for k in full)
     steps = {float(s["step"]) for s in ddp.optimizer.state.values()}
@@ -114,17 +121,16 @@ def check_checkpoint(engine, out):
 
 def check_roundtrip(engine, spec, out, tag):
     """DCP save, load into a fresh engine of the same strategy (before its first step), then one
-    more step on both: the weights must match exactly."""
+    more step on both: the weights must match exactly. Goes through the strategy's state_dict hooks,
+    as the checkpoint layer does."""
     import torch.distributed.checkpoint as dcp
 
-    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
-
     path = os.path.join(out, f"ckpt_{tag}")
-    dcp.save(get_state_dict(engine.model, engine.optimizer), checkpoint_id=path)
+    dcp.save(engine.strategy.state_dict(engine.model, engine.optimizer), checkpoint_id=path)
     fresh, _ = build(spec, seed=7)
-    state = get_state_dict(fresh.model, fresh.optimizer)
+    state = fresh.strategy.state_dict(fresh.model, fresh.optimizer)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(fresh.model, fresh.optimizer, state)
+    fresh.strategy.load_state_dict(fresh.model, fresh.optimizer, state)
     dp_rank = engine.data_parallel_rank
     n = GLOBAL_BATCH // engine.data_parallel_size
     x, y = make_data(STEPS, GLOBAL_BATCH)
@@ -148,10 +154,16 @@ def main():
             if only and variant not in only.split(","):
                 continue
             t = time.perf_counter()
-            ref, ref_loss, ref_norm = train("single", accum=1, clip=clip, dp_rank=0, dp_size=1)
+            if name.startswith("deepspeed"):
+                # DeepSpeed reduces float32 at most, where Adam turns summation-order noise in tiny
+                # gradients into 1e-4 differences from one process (ddp included). Its reference is
+                # therefore kiln's ddp on the same ranks and accumulation: both sum the same parts.
+                ref, ref_loss, ref_norm = train("ddp", accum=accum, clip=clip)
+            else:
+                ref, ref_loss, ref_norm = train("single", accum=1, clip=clip, dp_rank=0, dp_size=1)
             engine, loss, norm = train(CASES[name](), accum, clip)
             weights = full_weights(engine)
-            reference = ref.model.state_dict()
+            reference = full_weights(ref)
             diff = max((weights[k].cpu() - reference[k]).abs().max().item() for k in reference)
             missing = sorted(set(reference) - set(weights))
             results[name][variant] = {"max_diff": diff, "missing": missing, "loss": loss, "ref_loss": ref_loss,
@@ -165,9 +177,9 @@ def main():
                 engine.eval()
                 with torch.no_grad():
                     results[name]["eval_diff"] = (engine(x) - ref.model.eval()(x)).abs().max().item()
-            if name == "zero3" and variant == "plain":
-                results[name]["checkpoint"] = check_checkpoint(engine, out)
-            if name in ("zero1", "pp_1f1b", "hybrid_fsdp_tp") and variant == "plain":
+            if name in ("zero3", "deepspeed_zero2", "deepspeed_zero3") and variant == "plain":
+                results[name]["checkpoint"] = check_checkpoint(engine, out, name)
+            if (name in ("zero1", "pp_1f1b", "hybrid_fsdp_tp") or name.startswith("deepspeed")) and variant == "plain":
                 results[name]["roundtrip_diff"] = check_roundtrip(engine, CASES[name](), out, name)
     if ctx.rank == 0:
         with open(os.path.join(out, "parity.json"), "w") as f:

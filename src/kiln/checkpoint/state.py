@@ -2,9 +2,10 @@
 
 Two parts, because they are stored differently:
 
-- model and optimizer tensors, through ``torch.distributed.checkpoint.state_dict``'s
-  ``get_state_dict``/``set_state_dict``, which speak plain modules, DDP, FSDP2 and DTensor alike
-  and key the optimizer state by parameter name (so it survives a change of world size);
+- model and optimizer tensors, through the strategy's ``state_dict``/``load_state_dict``: for
+  torch's own strategies ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict``/
+  ``set_state_dict``, which speak plain modules, DDP, FSDP2 and DTensor alike and key the optimizer
+  state by parameter name (so it survives a change of world size);
 - the *training state* of each rank, small and stored per rank: timestamp, schedulers, grad scaler,
   the Engine's accumulation counter, RNG states (python, numpy, torch, cuda), the sampler position,
   and callback and algorithm ``state_dict``\\ s.
@@ -52,14 +53,23 @@ def model_optimizer_state(state: Any, full: bool = False, with_optimizer: bool |
     ``with_optimizer``: None saves the optimizer once it has stepped; True always includes it (a
     load target, which a checkpoint's values then overwrite).
     """
-    from kiln.parallel.dcp_state import get_state_dict
-
     model, optimizer = training_objects(state)
+    strategy = _strategy(state)
     if optimizer is not None and (with_optimizer or (with_optimizer is None and _has_stepped(optimizer))):
-        return get_state_dict(model, optimizer, full=full)
+        return strategy.state_dict(model, optimizer, full=full)
     # DCP would "initialise" a fresh optimizer by stepping it with zero gradients, leaving Adam's
     # step count at 1 and changing the run. A fresh optimizer has nothing to save.
-    return get_state_dict(model, None, full=full)
+    return strategy.state_dict(model, None, full=full)
+
+
+def _strategy(state: Any) -> Any:
+    """The Engine's strategy, which knows how its model and optimizer are laid out."""
+    strategy = getattr(getattr(state, "engine", None), "strategy", None)
+    if strategy is None:
+        from kiln.parallel.strategy import Strategy
+
+        strategy = Strategy()
+    return strategy
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
@@ -70,12 +80,10 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def load_model_optimizer_state(state: Any, saved: Mapping[str, Any], strict: bool = True) -> None:
-    from kiln.parallel.dcp_state import set_state_dict
-
     model, optimizer = training_objects(state)
     if saved.get("optimizer") is None:
         saved = {"model": saved["model"]}
-    set_state_dict(model, optimizer, dict(saved), strict=strict)
+    _strategy(state).load_state_dict(model, optimizer, dict(saved), strict=strict)
 
 
 # -- RNG ----------------------------------------------------------------------------------------

@@ -14,14 +14,19 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full state dict: no ``module.`` prefixes, no DTensors, on every rank.
 
     Works for plain modules, DDP, FSDP2 and DTensor-parallel models alike, because
-    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` knows each of them.
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` knows each of them. Given a
+    kiln Engine it asks the Engine's strategy, which also covers DeepSpeed (fp32 master weights,
+    gathered from ZeRO partitions).
 
     Example::
 
-        sd = kiln.parallel.full_model_state_dict(engine.model)
+        sd = kiln.parallel.full_model_state_dict(engine.model)  # or (engine), under any strategy
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if hasattr(model, "strategy") and hasattr(model, "model"):  # a kiln Engine: its strategy knows the layout
+        state = model.strategy.state_dict(model.model, None, full=True)["model"]
+        return {k: _plain(v) for k, v in state.items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     gather = getattr(model, "gather_full_state_dict", None)
     if gather is not None:  # a pipeline stage holds only its layers: collect every stage's

@@ -4,7 +4,10 @@ A strategy decides how model and optimizer are spread over the world. Each one i
 own file; adding one is a new file plus one line in ``_BUILTIN`` below (strategy objects, not
 type switches). The Engine asks the strategy four things: wrap (``setup``), whether the next
 backward must synchronise gradients (``set_grad_sync``), the global gradient norm
-(``clip_grad_norm_``), and the plain module underneath (``unwrap``).
+(``clip_grad_norm_``), and the plain module underneath (``unwrap``). The checkpoint layer asks for
+model and optimizer state (``state_dict``/``load_state_dict``). A strategy whose own engine runs
+backward and the optimizer step (DeepSpeed) sets ``owns_step`` and implements ``backward`` and
+``optimizer_step``; the Engine then hands both calls over.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class Strategy:
     # Set by setup() when only some ranks read different batches (tensor/pipeline groups share one).
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
+    # True when the strategy's own engine scales the loss, runs backward and steps the optimizer.
+    owns_step: ClassVar[bool] = False
+
+    def configure(self, *, gradient_accumulation: int, clip_grad_norm: float | None) -> None:
+        """Told before ``setup`` how the Engine accumulates and clips; a strategy that does either
+        itself (DeepSpeed) reads them here."""
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
               precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
@@ -74,6 +83,30 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without wrappers."""
         return model
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None) -> None:
+        """Backward of ``loss * scale`` (``scale`` None: 1), for strategies that set ``owns_step``."""
+        raise NotImplementedError(f"strategy {self.name!r} leaves backward to the Engine (owns_step is False)")
+
+    def optimizer_step(self, model: nn.Module) -> torch.Tensor | None:
+        """Step the optimizer (clipping as configured); returns the gradient norm when it clipped.
+        Only for strategies that set ``owns_step``."""
+        raise NotImplementedError(f"strategy {self.name!r} leaves the optimizer step to the Engine (owns_step is False)")
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                   full: bool = False) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` keyed by parameter name, for DCP (see
+        :mod:`kiln.parallel.dcp_state`); shards stay shards unless ``full``."""
+        from kiln.parallel.dcp_state import get_state_dict
+
+        return get_state_dict(model, optimizer, full=full)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], *,
+                        full: bool = False, strict: bool = True) -> None:
+        """Load what :meth:`state_dict` returned, after ``dcp.load`` filled it."""
+        from kiln.parallel.dcp_state import set_state_dict
+
+        set_state_dict(model, optimizer, state, full=full, strict=strict)
 
     def data_parallel(self, ctx: Context) -> tuple[int, int]:
         """(rank, size) of this process among the ranks that read different batches."""

@@ -43,6 +43,8 @@ class Trainer:
         optimizers, schedulers: a torch optimizer; torch schedulers (stepped per epoch unless
             ``step_schedulers_every_batch``) or kiln time-aware schedulers (stepped per batch).
         precision, strategy: see :mod:`kiln.precision` and :mod:`kiln.parallel`.
+        deepspeed_config: Composer's form of ``strategy="deepspeed"``: a DeepSpeed config dict (``{}``
+            is valid) or JSON path; kiln fills accumulation, clipping and precision into it.
         grad_accum / device_train_microbatch_size: split each batch into microbatches (int, or
             ``"auto"``: halve on out-of-memory and retry).
         algorithms, callbacks, loggers: run on the events of :class:`kiln.Event`.
@@ -97,6 +99,7 @@ class Trainer:
         step_schedulers_every_batch: bool | None = None,
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
+        deepspeed_config: Mapping[str, Any] | str | None = None,
     ) -> None:
         self.options = opts = TrainerOptions.validate(locals())
         ctx = context()
@@ -117,6 +120,8 @@ class Trainer:
                 raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
                                  "or make it a kiln.Model with a loss(outputs, batch) method")
             optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
+            if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
+                strategy = _deepspeed_strategy(strategy, deepspeed_config)
             engine = Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
                             precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
         self.engine = engine
@@ -553,3 +558,12 @@ def _targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any]
         return criterion(outputs, batch[1])
 
     return loss
+
+
+def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str) -> Any:
+    from kiln.parallel.deepspeed import DeepSpeed
+
+    if strategy not in (None, "auto", "deepspeed"):
+        raise ValueError(f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
+                         "deepspeed strategy; drop one of them")
+    return DeepSpeed(deepspeed_config)
