@@ -2,9 +2,11 @@
 
     python benchmarks/overhead.py [--steps 300] [--rounds 15]
 
-Each round times a raw loop, the Engine loop and Trainer.fit over the same pre-built batches
-(one thread, interleaved rounds so drift hits all three alike); the report is the median
-per-step time and its ratio to raw. Trainer runs with progress bar and loggers off.
+Each round times a raw loop, the Engine loop, Trainer.fit and a second raw loop over the same
+pre-built batches (one thread, interleaved rounds so drift hits all of them alike); the report is
+the median per-step time and its ratio to raw. The second raw loop's ratio is the noise floor: on a
+shared machine it can sit a few percent from 1, and a Trainer ratio inside that band is noise.
+Trainer runs with progress bar and loggers off.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
 
     m_raw, o_raw = build()
     crit = nn.CrossEntropyLoss()
+    m_raw2, o_raw2 = build()  # a second raw loop: its ratio to the first is the machine's noise floor
     m_eng, o_eng = build()
     engine, *_ = kiln.initialize(m_eng, o_eng, nn.CrossEntropyLoss(), config={})
     m_tr, o_tr = build()
@@ -76,16 +79,17 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
                            progress_bar=False, max_duration="1ba")
     for _ in range(2):  # warm up allocator and autograd caches
         raw_loop(m_raw, o_raw, crit, data[:50]); engine_loop(engine, data[:50]); trainer_loop(trainer, data[:50])  # noqa: E702
-    times: dict[str, list[float]] = {"raw": [], "engine": [], "trainer": []}
     loops = {"raw": lambda: raw_loop(m_raw, o_raw, crit, data), "engine": lambda: engine_loop(engine, data),
-             "trainer": lambda: trainer_loop(trainer, data)}
+             "trainer": lambda: trainer_loop(trainer, data), "raw2": lambda: raw_loop(m_raw2, o_raw2, crit, data)}
+    times: dict[str, list[float]] = {k: [] for k in loops}
     order = list(loops)
     for r in range(rounds):
-        for loop in order[r % 3:] + order[:r % 3]:  # rotate, so no loop always runs first
+        for loop in order[r % len(order):] + order[:r % len(order)]:  # rotate, so no loop always runs first
             times[loop].append(loops[loop]() / steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{name}: raw {med['raw'] * 1e6:.1f} us/step | engine {med['engine'] * 1e6:.1f} us "
-          f"({med['engine'] / med['raw']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({med['trainer'] / med['raw']:.3f}x)")
+          f"({med['engine'] / med['raw']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({med['trainer'] / med['raw']:.3f}x)"
+          f" | noise floor: raw again {med['raw2'] / med['raw']:.3f}x")
     # Python function calls per step: a count, so unlike the times it does not move with the
     # machine's load; the difference to raw is kiln's own per-step work.
     calls = {

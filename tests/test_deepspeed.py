@@ -127,8 +127,9 @@ def test_kiln_settings_fill_the_config():
 
 @pytest.mark.parametrize("config, accum, clip, message", [
     ({"gradient_accumulation_steps": 4}, 1, None,
-     r"deepspeed_config gradient_accumulation_steps=4 contradicts kiln's gradient_accumulation=1: set "
-     r"gradient_accumulation=4 in kiln"),
+     r"deepspeed_config gradient_accumulation_steps=4 contradicts kiln's gradient_accumulation \(the Trainer's "
+     r"grad_accum\)=1: kiln fills 'gradient_accumulation_steps' from gradient_accumulation \(the Trainer's "
+     r"grad_accum\); drop it from deepspeed_config and set gradient_accumulation \(the Trainer's grad_accum\)=4"),
     ({"gradient_clipping": 1.0}, 1, 0.5, r"deepspeed_config gradient_clipping=1.0 contradicts kiln's clip_grad_norm=0.5"),
 ])
 def test_contradicting_settings_name_both(config, accum, clip, message):

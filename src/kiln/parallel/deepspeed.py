@@ -95,12 +95,15 @@ class DeepSpeed(Strategy):
     def _fill(self, key: str, value: Any, kiln_name: str) -> None:
         given = self.config.setdefault(key, value)
         if given != value:
-            raise ValueError(f"deepspeed_config {key}={given!r} contradicts kiln's {kiln_name}={value!r}: set "
-                             f"{kiln_name}={given!r} in kiln (it fills deepspeed_config) and drop {key!r}, or make "
-                             "them equal")
+            raise ValueError(f"deepspeed_config {key}={given!r} contradicts kiln's {kiln_name}={value!r}: kiln "
+                             f"fills {key!r} from {kiln_name}; drop it from deepspeed_config and set {kiln_name}="
+                             f"{given!r}")
 
     def configure(self, *, gradient_accumulation: int, clip_grad_norm: float | None) -> None:
-        self._fill("gradient_accumulation_steps", gradient_accumulation, "gradient_accumulation")
+        # The Trainer splits batches itself (grad_accum) and marks the last microbatch through
+        # set_grad_sync, so its Engine reports 1 here: name both in the error.
+        self._fill("gradient_accumulation_steps", gradient_accumulation,
+                   "gradient_accumulation (the Trainer's grad_accum)")
         if clip_grad_norm is not None:
             self._fill("gradient_clipping", clip_grad_norm, "clip_grad_norm")
         else:  # kiln's default is no clipping; DeepSpeed's would be 1.0. An explicit value in the config stays.
