@@ -23,6 +23,7 @@ from kiln.launch.context import context, seed_everything
 from kiln.launch.data import ShardSampler, with_resumable_sampler
 from kiln.loggers.logger import Logger
 from kiln.trainer.batching import num_samples, num_tokens, split_batch
+from kiln.trainer.building import build_engine, check_algorithms, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate
 from kiln.trainer.events import EventRunner
 from kiln.trainer.options import TrainerOptions, resolve_duration
@@ -114,21 +115,13 @@ class Trainer:
 
         # -- the engine: model, optimizer, precision, strategy ------------------------------
         if engine is None:
-            if model is None:
-                raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
-            if not isinstance(model, Model) and criterion is None:
-                raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
-                                 "or make it a kiln.Model with a loss(outputs, batch) method")
-            optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
-            if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
-                strategy = _deepspeed_strategy(strategy, deepspeed_config)
-            engine = Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
-                            precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
+            engine = build_engine(model, optimizers, criterion, precision=precision, strategy=strategy,
+                                  clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config, ctx=ctx)
         self.engine = engine
         module = engine.module
         self._is_kiln_model = isinstance(module, Model)
         # The loss of (outputs, batch): a kiln.Model's own, or the criterion on the batch's targets.
-        self.loss_fn = engine.criterion if self._is_kiln_model else _targets_loss(engine.criterion)
+        self.loss_fn = engine.criterion if self._is_kiln_model else targets_loss(engine.criterion)
 
         # -- state ---------------------------------------------------------------------------
         self.state = state = State(
@@ -142,7 +135,7 @@ class Trainer:
         state.config = self.config  # recorded in each checkpoint's manifest
         self._loaded_checkpoint = False
         state.max_duration = opts.max_duration
-        self._check_algorithms()
+        check_algorithms(state.algorithms, engine)
 
         self.logger = Logger(opts.loggers, rank=ctx.rank, state=state)
         self.events = EventRunner(state, self.logger)
@@ -155,9 +148,8 @@ class Trainer:
         self._set_eval_dataloader(eval_dataloader)
 
         # -- schedulers, checkpoints ---------------------------------------------------------
-        self._per_batch_schedulers: list[Any] = []
-        self._per_epoch_schedulers: list[Any] = []
-        self._add_schedulers(schedulers)
+        self._per_batch_schedulers, self._per_epoch_schedulers = split_schedulers(
+            schedulers, state, opts.step_schedulers_every_batch, opts.scale_schedule_ratio)
         self._saver = None
         if save_folder is not None:
             from kiln.checkpoint import CheckpointSaver  # checkpoint code loads only when used
@@ -172,14 +164,6 @@ class Trainer:
         self._load(load_path, autoresume, save_folder)
 
     # -- construction helpers -----------------------------------------------------------------
-    def _check_algorithms(self) -> None:
-        if self.state.algorithms:
-            from kiln.algorithms import GradientClipping, check_algorithm_compatibility
-
-            check_algorithm_compatibility(self.state.algorithms)
-            if self.engine.clip_grad_norm is not None and any(isinstance(a, GradientClipping) for a in self.state.algorithms):
-                raise ValueError("clip_grad_norm= and the GradientClipping algorithm both clip gradients; keep one of them")
-
     def _set_train_dataloader(self, loader: Iterable | None) -> None:
         if loader is None:
             return
@@ -196,26 +180,6 @@ class Trainer:
     def _set_eval_dataloader(self, loader: Iterable | None) -> None:
         if loader is not None:
             self.eval_dataloader = ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
-
-    def _add_schedulers(self, schedulers: Any) -> None:
-        if schedulers is None:
-            return
-        from kiln.optim.lr_scheduler import compile_composer_scheduler
-        from kiln.optim.schedulers import ComposerScheduler
-
-        every_batch = self.options.step_schedulers_every_batch
-        for scheduler in schedulers if isinstance(schedulers, (list, tuple)) else [schedulers]:
-            if isinstance(scheduler, ComposerScheduler) or (callable(scheduler) and not hasattr(scheduler, "step")):
-                if self.state.optimizer is None:
-                    raise ValueError("a time-aware scheduler needs an optimizer; pass optimizers=")
-                scheduler = compile_composer_scheduler(scheduler, self.state, self.state.optimizer,
-                                                       ssr=self.options.scale_schedule_ratio)
-                self._per_batch_schedulers.append(scheduler)
-            elif every_batch:
-                self._per_batch_schedulers.append(scheduler)
-            else:
-                self._per_epoch_schedulers.append(scheduler)
-            self.state.schedulers.append(scheduler)
 
     def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
         if autoresume:
@@ -539,31 +503,3 @@ _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
 _COUNTER = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch", TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
             TimeUnit.SECOND: "total_wct"}
-
-
-def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
-    if optimizers is None:
-        return None
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return optimizers
-    optimizers = list(optimizers)
-    if len(optimizers) != 1:
-        raise ValueError(f"optimizers has {len(optimizers)} optimizers; kiln trains with exactly one")
-    return optimizers[0]
-
-
-def _targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
-    """``criterion(outputs, targets)`` as a loss of ``(outputs, batch)`` for ``(inputs, targets)`` batches."""
-    def loss(outputs: Any, batch: Any) -> torch.Tensor:
-        return criterion(outputs, batch[1])
-
-    return loss
-
-
-def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str) -> Any:
-    from kiln.parallel.deepspeed import DeepSpeed
-
-    if strategy not in (None, "auto", "deepspeed"):
-        raise ValueError(f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
-                         "deepspeed strategy; drop one of them")
-    return DeepSpeed(deepspeed_config)

@@ -1,0 +1,97 @@
+"""How the Trainer's parts are built from its arguments: the Engine, the loss, the schedulers.
+
+Kept apart from ``trainer.py`` so that file holds the loop; everything here runs once, in
+``Trainer.__init__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from kiln.core.model import Model
+from kiln.engine import Engine
+
+__all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers"]
+
+
+def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
+                 precision: Any, strategy: Any, clip_grad_norm: float | None,
+                 deepspeed_config: Mapping[str, Any] | str | None, ctx: Any) -> Engine:
+    """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``."""
+    if model is None:
+        raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
+    if not isinstance(model, Model) and criterion is None:
+        raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
+                         "or make it a kiln.Model with a loss(outputs, batch) method")
+    optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
+    if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
+        strategy = _deepspeed_strategy(strategy, deepspeed_config)
+    return Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
+                  precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
+
+
+def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
+    if optimizers is None:
+        return None
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return optimizers
+    optimizers = list(optimizers)
+    if len(optimizers) != 1:
+        raise ValueError(f"optimizers has {len(optimizers)} optimizers; kiln trains with exactly one")
+    return optimizers[0]
+
+
+def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str) -> Any:
+    from kiln.parallel.deepspeed import DeepSpeed
+
+    if strategy not in (None, "auto", "deepspeed"):
+        raise ValueError(f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
+                         "deepspeed strategy; drop one of them")
+    return DeepSpeed(deepspeed_config)
+
+
+def targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """``criterion(outputs, targets)`` as a loss of ``(outputs, batch)`` for ``(inputs, targets)`` batches."""
+    def loss(outputs: Any, batch: Any) -> torch.Tensor:
+        return criterion(outputs, batch[1])
+
+    return loss
+
+
+def check_algorithms(algorithms: Sequence[Any], engine: Engine) -> None:
+    """Algorithms that cannot run together, and clipping asked for twice, fail before training."""
+    if algorithms:
+        from kiln.algorithms import GradientClipping, check_algorithm_compatibility
+
+        check_algorithm_compatibility(algorithms)
+        if engine.clip_grad_norm is not None and any(isinstance(a, GradientClipping) for a in algorithms):
+            raise ValueError("clip_grad_norm= and the GradientClipping algorithm both clip gradients; keep one of them")
+
+
+def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
+                     ssr: float) -> tuple[list[Any], list[Any]]:
+    """(stepped every batch, stepped every epoch). Time-aware (Composer) schedulers are compiled
+    into a torch scheduler stepped every batch; torch schedulers step per epoch unless
+    ``every_batch``. Each one is also added to ``state.schedulers`` (checkpointed)."""
+    per_batch: list[Any] = []
+    per_epoch: list[Any] = []
+    if schedulers is None:
+        return per_batch, per_epoch
+    from kiln.optim.lr_scheduler import compile_composer_scheduler
+    from kiln.optim.schedulers import ComposerScheduler
+
+    for scheduler in schedulers if isinstance(schedulers, (list, tuple)) else [schedulers]:
+        if isinstance(scheduler, ComposerScheduler) or (callable(scheduler) and not hasattr(scheduler, "step")):
+            if state.optimizer is None:
+                raise ValueError("a time-aware scheduler needs an optimizer; pass optimizers=")
+            scheduler = compile_composer_scheduler(scheduler, state, state.optimizer, ssr=ssr)
+            per_batch.append(scheduler)
+        elif every_batch:
+            per_batch.append(scheduler)
+        else:
+            per_epoch.append(scheduler)
+        state.schedulers.append(scheduler)
+    return per_batch, per_epoch
