@@ -4,7 +4,8 @@
 
 Each round times a raw loop, the Engine loop, Trainer.fit and a second raw loop over the same
 pre-built batches (one thread, interleaved rounds so drift hits all of them alike); the report is
-the median per-step time and its ratio to raw. The second raw loop's ratio is the noise floor: on a
+the median per-step time and the median over rounds of its ratio to raw in the same round. The
+second raw loop's ratio is the noise floor: on a
 shared machine it can sit a few percent from 1, and a Trainer ratio inside that band is noise.
 Trainer runs with progress bar and loggers off.
 """
@@ -87,9 +88,12 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
         for loop in order[r % len(order):] + order[:r % len(order)]:  # rotate, so no loop always runs first
             times[loop].append(loops[loop]() / steps)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # Ratios are paired within a round (loops seconds apart), then the median over rounds: slow
+    # drifts in the machine's load cancel, which a ratio of medians would not do.
+    ratio = {k: statistics.median(t / r for t, r in zip(times[k], times["raw"])) for k in times}
     print(f"{name}: raw {med['raw'] * 1e6:.1f} us/step | engine {med['engine'] * 1e6:.1f} us "
-          f"({med['engine'] / med['raw']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({med['trainer'] / med['raw']:.3f}x)"
-          f" | noise floor: raw again {med['raw2'] / med['raw']:.3f}x")
+          f"({ratio['engine']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({ratio['trainer']:.3f}x)"
+          f" | noise floor: raw again {ratio['raw2']:.3f}x")
     # Python function calls per step: a count, so unlike the times it does not move with the
     # machine's load; the difference to raw is kiln's own per-step work.
     calls = {
