@@ -54,6 +54,8 @@ class LayerFreezing(Algorithm):
         algorithms = [kiln.algorithms.LayerFreezing(freeze_start=0.5, freeze_level=0.8)]
     """
 
+    find_unused_parameters = True  # skipped or frozen layers get no gradient: DDP must not wait for them
+
     def __init__(self, freeze_start: float = 0.5, freeze_level: float = 1.0) -> None:
         if not 0.0 <= freeze_start <= 1.0:
             raise ValueError(f"LayerFreezing(freeze_start={freeze_start!r}): must be a fraction of training in [0, 1]")

@@ -97,6 +97,8 @@ class StochasticDepth(SeededAlgorithm):
         algorithms = [kiln.algorithms.StochasticDepth("BasicBlock", drop_rate=0.2)]
     """
 
+    find_unused_parameters = True  # skipped or frozen layers get no gradient: DDP must not wait for them
+
     def __init__(self, target_layer_name: Selector, stochastic_method: str = "block", drop_rate: float = 0.2,
                  drop_distribution: str = "linear", drop_warmup: str | Time = "0.0dur", *,
                  seed: int | None = None) -> None:

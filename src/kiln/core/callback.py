@@ -53,6 +53,10 @@ class Algorithm:
                 state.loss = state.loss * 0.5
     """
 
+    # True when the algorithm leaves some parameters without gradients on some steps (frozen or
+    # skipped layers): the Trainer then has DDP look for unused parameters, as Composer does.
+    find_unused_parameters: bool = False
+
     def match(self, event: Event, state: State) -> bool:
         raise NotImplementedError(f"{type(self).__name__} must implement match(event, state)")
 

@@ -49,6 +49,7 @@ class Auto(Strategy):
         self.table = plan_table(model, optimizer, ctx.world_size, self.memory_budget, self.example_input)
         row = next(r for r in self.table if r.chosen)
         self.chosen = get_strategy(row.strategy, ctx)
+        self.chosen.find_unused_parameters = self.find_unused_parameters
         self.reason = f"{row.strategy}: {row.note}"
         if ctx.is_main:
             from kiln.launch.logging import get_dist_logger

@@ -44,7 +44,8 @@ class DDP(Strategy):
         model.to(ctx.device)
         precision.setup_module(model)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs), optimizer
+        kwargs = {"find_unused_parameters": self.find_unused_parameters, **self.ddp_kwargs}
+        return DistributedDataParallel(model, device_ids=device_ids, **kwargs), optimizer
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # DDP reads this flag in forward() to decide whether backward all-reduces; setting it is

@@ -60,6 +60,9 @@ class Strategy:
     data_parallel_size: int | None = None
     # True when the strategy's own engine scales the loss, runs backward and steps the optimizer.
     owns_step: ClassVar[bool] = False
+    # Set by the Trainer when an algorithm leaves parameters without gradients on some steps;
+    # DDP-based strategies pass it to DistributedDataParallel (an explicit ddp kwarg wins).
+    find_unused_parameters: bool = False
 
     def configure(self, *, gradient_accumulation: int, clip_grad_norm: float | None) -> None:
         """Told before ``setup`` how the Engine accumulates and clips; a strategy that does either

@@ -19,7 +19,7 @@ __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers
 
 def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
                  precision: Any, strategy: Any, clip_grad_norm: float | None,
-                 deepspeed_config: Mapping[str, Any] | str | None, ctx: Any) -> Engine:
+                 deepspeed_config: Mapping[str, Any] | str | None, algorithms: Sequence[Any], ctx: Any) -> Engine:
     """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``."""
     if model is None:
         raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
@@ -29,6 +29,11 @@ def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[.
     optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
     if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
         strategy = _deepspeed_strategy(strategy, deepspeed_config)
+    if any(getattr(a, "find_unused_parameters", False) for a in algorithms):
+        from kiln.parallel.strategy import get_strategy
+
+        strategy = get_strategy(strategy, ctx)
+        strategy.find_unused_parameters = True
     return Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
                   precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
 

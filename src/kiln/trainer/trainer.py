@@ -116,7 +116,9 @@ class Trainer:
         # -- the engine: model, optimizer, precision, strategy ------------------------------
         if engine is None:
             engine = build_engine(model, optimizers, criterion, precision=precision, strategy=strategy,
-                                  clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config, ctx=ctx)
+                                  clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config,
+                                  algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
+                                  ctx=ctx)
         self.engine = engine
         module = engine.module
         self._is_kiln_model = isinstance(module, Model)
