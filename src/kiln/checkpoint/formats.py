@@ -135,7 +135,8 @@ def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, s
     if restore_rng and not same_rank:
         warnings.warn(f"{path} was saved by {saved_world} rank(s) and is loaded by {world}; RNG states are not "
                       "restored, so the resumed run is not bit-exact", stacklevel=3)
-    restore_training_state(state, training, source, restore_rng=restore_rng and same_rank)
+    restore_training_state(state, training, source, restore_rng=restore_rng and same_rank,
+                           same_world=world == saved_world)
 
 
 def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ from kiln.checkpoint.serialization import check_loadable
 
 __all__ = ["training_objects", "model_optimizer_state", "load_model_optimizer_state", "collect_training_state",
            "serialize_training_state", "restore_training_state", "rng_state", "set_rng_state",
-           "restore_dataloader_position", "restore_rng_after_iter", "run_config"]
+           "restore_dataloader_position", "restore_rng_after_iter", "run_config", "resumed_on_same_world"]
 
 _PENDING = "_kiln_checkpoint_resume"  # attribute on State: what load_checkpoint could not apply yet
 
@@ -170,8 +170,10 @@ def serialize_training_state(state: Any) -> bytes:
     return check_loadable(collected, "<training state>")
 
 
-def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True) -> None:
-    """Put a rank's saved training state back; ``source`` names the file in errors."""
+def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True,
+                           same_world: bool = True) -> None:
+    """Put a rank's saved training state back; ``source`` names the file in errors. ``same_world``:
+    the checkpoint was saved by as many ranks as load it (else the sampler re-deals the epoch)."""
     try:
         state.timestamp.load_state_dict(saved["timestamp"])
     except (KeyError, ValueError, TypeError) as exc:
@@ -195,7 +197,7 @@ def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, re
             elif type(obj).state_dict is not _base_state_dict(kind):
                 warnings.warn(f"{source} has no state for {kind[:-1]} {key}; it starts fresh", stacklevel=3)
     pending = {"sampler": saved.get("sampler"), "rng": saved["rng"] if restore_rng else None,
-               "mid_epoch": state.timestamp.batch_in_epoch.value > 0}
+               "mid_epoch": state.timestamp.batch_in_epoch.value > 0, "same_world": same_world}
     setattr(state, _PENDING, pending)
     if restore_rng:
         set_rng_state(saved["rng"])
@@ -227,8 +229,16 @@ def restore_dataloader_position(state: Any) -> None:
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(ts.epoch.value)
     batch_size = getattr(state.dataloader, "batch_size", None)
-    if hasattr(sampler, "skip") and batch_size:
-        sampler.skip(ts.batch_in_epoch.value * batch_size)
+    same_world = resumed_on_same_world(state)
+    if hasattr(sampler, "skip") and (batch_size or not same_world):
+        from kiln.launch.data import skip_consumed
+
+        skip_consumed(sampler, ts.sample_in_epoch.value, ts.batch_in_epoch.value, batch_size, same_world)
+
+
+def resumed_on_same_world(state: Any) -> bool:
+    """Whether the checkpoint last loaded into ``state`` was saved by as many ranks as run now."""
+    return (getattr(state, _PENDING, None) or {}).get("same_world", True)
 
 
 def restore_rng_after_iter(state: Any) -> bool:

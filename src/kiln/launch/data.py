@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 from kiln.launch.context import context
 
-__all__ = ["ResumableSampler", "ShardSampler", "get_dataloader", "ensure_distributed_sampler", "with_resumable_sampler"]
+__all__ = ["ResumableSampler", "ShardSampler", "get_dataloader", "ensure_distributed_sampler", "with_resumable_sampler",
+           "skip_consumed"]
 
 
 class ResumableSampler(DistributedSampler):
@@ -16,7 +17,9 @@ class ResumableSampler(DistributedSampler):
     can start part-way through an epoch.
 
     Used for every world size (a world of 1 is ``num_replicas=1``), so a resumed run sees exactly
-    the samples an uninterrupted one would, without loading the ones it already consumed.
+    the samples an uninterrupted one would, without loading the ones it already consumed. After a
+    change of world size, :meth:`skip_world` deals the rest of the epoch to the new ranks: every
+    sample not yet seen comes once (plus the usual padding), none seen comes again.
 
     Example::
 
@@ -29,31 +32,77 @@ class ResumableSampler(DistributedSampler):
         ctx = context()
         super().__init__(dataset, num_replicas=ctx.world_size if num_replicas is None else num_replicas,
                          rank=ctx.rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self._skip = 0
+        self._skip = 0  # this rank's samples already consumed in the epoch
+        self._world_skip = 0  # or: every rank's, in the epoch's global order
 
     def skip(self, num_samples: int) -> None:
         """Start the current epoch after ``num_samples`` of this rank's samples (cleared by set_epoch)."""
-        self._skip = num_samples
+        self._skip, self._world_skip = num_samples, 0
+
+    def skip_world(self, num_samples: int) -> None:
+        """Start the current epoch after the first ``num_samples`` of the epoch's global order, the
+        samples all ranks of the world that saved them consumed together, whatever its size. On the
+        same world size this is :meth:`skip` of ``num_samples / num_replicas``."""
+        if num_samples % self.num_replicas == 0:
+            self.skip(num_samples // self.num_replicas)  # the plain case, and the same order
+        else:
+            self._skip, self._world_skip = 0, num_samples
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self._skip = 0
+            self._skip = self._world_skip = 0
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
+        if self._world_skip:
+            return iter(self._rest_of_world()[self.rank::self.num_replicas])
         indices = super().__iter__()
         if self._skip:
             indices = iter(list(indices)[self._skip:])
         return indices
 
+    def _rest_of_world(self) -> list[int]:
+        # The epoch's global order is the one-rank order (the seed and the epoch fix it; the world
+        # size only pads or trims its end): skip its consumed start, then even the rest out over
+        # this world's ranks as DistributedSampler does.
+        whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole.set_epoch(self.epoch)
+        rest = list(whole)[self._world_skip:]
+        extra = len(rest) % self.num_replicas
+        if extra and self.drop_last:
+            rest = rest[:len(rest) - extra]
+        elif extra:
+            rest += (rest * self.num_replicas)[:self.num_replicas - extra]
+        return rest
+
     def __len__(self) -> int:
+        if self._world_skip:
+            return len(self._rest_of_world()) // self.num_replicas
         return self.num_samples - self._skip
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "skip": self._skip, "seed": self.seed}
+        return {"epoch": self.epoch, "skip": self._skip, "seed": self.seed, "world_skip": self._world_skip}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self._skip, self.seed = int(state["epoch"]), int(state["skip"]), int(state["seed"])
+        self._world_skip = int(state.get("world_skip", 0))  # absent in checkpoints before it existed
+
+
+def skip_consumed(sampler: Any, samples_in_epoch: int, batches_in_epoch: int, batch_size: int | None,
+                  same_world: bool = True) -> None:
+    """Start ``sampler`` after what was consumed of this epoch before a checkpoint.
+
+    On the world size that saved it, each rank skips its own ``batches_in_epoch * batch_size``
+    samples. On another one a :class:`ResumableSampler` skips the first ``samples_in_epoch`` of the
+    epoch's global order, which must then count every data-parallel rank's samples (the Trainer's
+    Timestamp does), and deals the rest to the new ranks.
+    """
+    if not same_world and hasattr(sampler, "skip_world"):
+        sampler.skip_world(samples_in_epoch)
+    elif batch_size:
+        sampler.skip(batches_in_epoch * batch_size)
+    else:
+        raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
 
 
 def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,

@@ -20,7 +20,7 @@ from kiln.core.state import State
 from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
 from kiln.launch.context import context, seed_everything
-from kiln.launch.data import ShardSampler, with_resumable_sampler
+from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
 from kiln.trainer.batching import num_samples, num_tokens, split_batch
 from kiln.trainer.building import build_engine, check_algorithms, split_schedulers, targets_loss
@@ -334,7 +334,10 @@ class Trainer:
             sampler.set_epoch(state.timestamp.epoch.value)
         skip_in_sampler = resume_skip and hasattr(sampler, "skip")
         if skip_in_sampler:  # the sampler starts after the consumed samples: nothing is replayed
-            sampler.skip(resume_skip * self._batch_size(loader))
+            from kiln.checkpoint.state import resumed_on_same_world
+
+            skip_consumed(sampler, state.timestamp.sample_in_epoch.value, resume_skip, getattr(loader, "batch_size", None),
+                          resumed_on_same_world(state))
         if not resume_skip:
             self.events.run(Event.EPOCH_START)
         self.progress.start_epoch(state)
@@ -350,13 +353,6 @@ class Trainer:
             for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
                 next(iterator, None)
         return iterator
-
-    @staticmethod
-    def _batch_size(loader: Any) -> int:
-        size = getattr(loader, "batch_size", None)
-        if not size:
-            raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
-        return size
 
     def _train_batch(self, batch_size: int) -> None:
         """One optimizer step over ``state.batch`` (of ``batch_size`` samples): microbatches with
