@@ -272,12 +272,28 @@ def test_end_to_end_model_keeps_its_class_name_and_keys():
 
 def test_hook_points_fire_in_nnscaler_order():
     names = ["after_setup", "on_train_start", "on_epoch_start", "on_train_step_start", "before_zero_grad",
-             "after_zero_grad", "after_aggregate_train_step_outputs", "before_gnorm_clip", "before_optimizer_step",
-             "after_gnorm_clip", "after_optimizer_step", "on_train_step_end", "on_val_start", "on_val_step_start",
+             "after_zero_grad", "after_aggregate_train_step_outputs", "before_gnorm_clip", "after_gnorm_clip",
+             "before_optimizer_step", "after_optimizer_step", "on_train_step_end", "on_val_start", "on_val_step_start",
              "on_val_step_end", "on_val_end", "on_train_end"]
     _fit(hook={n: f"cli_models.{n}" for n in names}, dataset={"val_args": {"size": 2}},
          val_every_n_train_steps=1, micro_batch_size=2, optimizer={"clip_gnorm": 1.0})
     assert cli_models.RECORD["points"] == names
+
+
+def test_before_optimizer_step_sees_clipped_gradients_and_clipping_happens_once():
+    # nnScaler's order: clip, after_gnorm_clip(norm before clipping), before_optimizer_step, step
+    clipped = _fit(hook={"before_optimizer_step": "cli_models.record_grads"}, optimizer={"clip_gnorm": 1e-3},
+                   max_train_steps=2)
+    grads = cli_models.RECORD["grads"]
+    assert len(grads) == 2
+    for step in grads:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in step.values()]))
+        assert norm <= 1e-3 * (1 + 1e-5), f"before_optimizer_step saw unclipped gradients (norm {norm:.3g})"
+    cli_models.RECORD.clear()
+    cli_models.RECORD.update({"points": [], "grads": [], "params": [], "loaded": [], "input_dtypes": []})
+    plain = _fit(optimizer={"clip_gnorm": 1e-3}, max_train_steps=2)  # the Engine clips inside its step
+    for name, value in plain.state.model.state_dict().items():
+        assert torch.equal(value, clipped.state.model.state_dict()[name]), name
 
 
 def test_checkpoint_hooks_and_resume_in_process(tmp_path):

@@ -87,6 +87,7 @@ class Engine:
         self._accum = gradient_accumulation
         self._micro = 0
         self.last_grad_norm: torch.Tensor | None = None
+        self._clipped = False  # clip_gradients() ran for the coming optimizer step
         # Decided once here so the per-step path is a few attribute reads, not type checks.
         self._move = self.device.type != "cpu"
         self._cast = self.precision.casts_inputs
@@ -156,6 +157,18 @@ class Engine:
         self.optimizer_step()
         return True
 
+    def clip_gradients(self) -> torch.Tensor | None:
+        """Unscale (fp16) and clip to ``clip_grad_norm`` now; the next :meth:`optimizer_step` then
+        steps without clipping again. For code that must run between the two (nnScaler's
+        ``before_optimizer_step`` hook). Returns the norm before clipping (None: no clipping)."""
+        if self.clip_grad_norm is None or self._owned or self._clipped:
+            return self.last_grad_norm if self._clipped else None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+        self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
+        self._clipped = True
+        return self.last_grad_norm
+
     def optimizer_step(self) -> None:
         """Unscale, clip and step now, whatever the accumulation counter says."""
         optimizer = self.optimizer
@@ -166,9 +179,12 @@ class Engine:
             return
         scaler = self.scaler
         if self.clip_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
+            if self._clipped:
+                self._clipped = False  # clip_gradients() did it for this step
+            else:
+                if scaler is not None:
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
         if scaler is not None:
             scaler.step(optimizer)  # skips the update when a gradient is inf/nan
             scaler.update()  # and lowers the scale then

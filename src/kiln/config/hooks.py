@@ -12,9 +12,9 @@ before_zero_grad / after_zero_grad     BEFORE_TRAIN_BATCH / the step's first BEF
 after_aggregate_train_step_outputs     AFTER_TRAIN_BATCH, once outputs are aggregated across ranks
 before_sync_grad / after_sync_grad     AFTER_TRAIN_BATCH (the strategy has synchronised gradients)
 before_gnorm_clip                      AFTER_TRAIN_BATCH, after gradient reduction
-before_optimizer_step                  AFTER_TRAIN_BATCH (kiln's Engine clips and steps in one call,
-                                       so this runs before clipping)
-after_gnorm_clip / after_optimizer_step  BATCH_END (``gnorm``: the norm before clipping)
+after_gnorm_clip                       AFTER_TRAIN_BATCH, after clipping (``gnorm``: the norm before it)
+before_optimizer_step                  AFTER_TRAIN_BATCH, on the clipped gradients
+after_optimizer_step                   BATCH_END
 on_train_step_end                      BATCH_END
 on_val_start / on_val_end              EVAL_START / EVAL_END (``val_loss``: ``eval/loss``)
 on_val_step_start / on_val_step_end    EVAL_BATCH_START / EVAL_BATCH_END
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-import torch
 
 from kiln.config.components import HookMapConfig
 from kiln.config.reduction import AggregatedOutputs, GradReduction
@@ -97,7 +96,6 @@ class HookCallback(Callback):
         self.points = {p for p in HOOK_POINTS if any(_defines(h, p) for h in self.hooks)}
         self._pending_load: dict[str, Any] | None = None
         self._first_forward = False
-        self._gnorm: torch.Tensor | None = None
         self._outputs: list[Any] = []
         self._batches: list[Any] = []
         self._val_index = 0
@@ -158,16 +156,15 @@ class HookCallback(Callback):
         self.call("before_sync_grad")
         self.call("after_sync_grad")
         self.call("before_gnorm_clip")
-        self._gnorm = None
-        if "after_gnorm_clip" in self.points and not self.clips:
-            engine = self.trainer.engine  # an infinite max norm measures without clipping
-            self._gnorm = engine.strategy.clip_grad_norm_(engine.model, float("inf"))
+        engine = self.trainer.engine
+        if self.clips and ("after_gnorm_clip" in self.points or "before_optimizer_step" in self.points):
+            gnorm = engine.clip_gradients()  # now, so the hooks below see clipped gradients
+            self.call("after_gnorm_clip", gnorm)
+        elif "after_gnorm_clip" in self.points:  # an infinite max norm measures without clipping
+            self.call("after_gnorm_clip", engine.strategy.clip_grad_norm_(engine.model, float("inf")))
         self.call("before_optimizer_step")
 
     def batch_end(self, state: Any, logger: Any) -> None:
-        if "after_gnorm_clip" in self.points:
-            gnorm = self.trainer.engine.last_grad_norm if self.clips else self._gnorm
-            self.call("after_gnorm_clip", gnorm)
         self.call("after_optimizer_step")
         self.call("on_train_step_end", self._outputs, self._batches, state.timestamp.batch_in_epoch.value - 1)
 
