@@ -137,12 +137,12 @@ class DeepSpeed(Strategy):
             index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
             self._group_of = {n: index[id(p)] for n, p in model.named_parameters() if id(p) in index}
             self._groups = optimizer.param_groups
-        # deepspeed.initialize reuses the process group kiln's launcher created (any backend). A
-        # world of 1 has none, and DeepSpeed cannot run without one: an in-process store makes it.
         import torch.distributed as dist
 
         # DeepSpeed reads LOCAL_RANK, which torchrun sets but SLURM, Open MPI and a lone process do not.
         os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
+        # deepspeed.initialize reuses the process group kiln's launcher created (any backend). A
+        # world of 1 has none, and DeepSpeed cannot run without one: an in-process store makes it.
         if not dist.is_initialized():
             dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
