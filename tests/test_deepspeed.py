@@ -193,6 +193,7 @@ def test_trainer_deepspeed_config_on_one_process_equals_the_plain_run():
     plain = _fit()
     ds = _fit(deepspeed_config={"zero_optimization": {"stage": 1}})
     assert ds.engine.strategy.name == "deepspeed" and ds.state.timestamp.batch.value == 12
+    assert ds.engine.model.train_micro_batch_size_per_gpu() == 16  # from the loader, for DeepSpeed's logs
     from kiln.parallel import full_model_state_dict
 
     a, b = full_model_state_dict(plain.engine), full_model_state_dict(ds.engine)

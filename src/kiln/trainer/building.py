@@ -19,8 +19,10 @@ __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers
 
 def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
                  precision: Any, strategy: Any, clip_grad_norm: float | None,
-                 deepspeed_config: Mapping[str, Any] | str | None, algorithms: Sequence[Any], ctx: Any) -> Engine:
-    """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``."""
+                 deepspeed_config: Mapping[str, Any] | str | None, algorithms: Sequence[Any],
+                 batch_size: int | None = None, ctx: Any) -> Engine:
+    """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``; ``batch_size``: the training
+    loader's, per rank (DeepSpeed's config takes it when it names no batch size)."""
     if model is None:
         raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
     if not isinstance(model, Model) and criterion is None:
@@ -28,7 +30,7 @@ def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[.
                          "or make it a kiln.Model with a loss(outputs, batch) method")
     optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
     if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
-        strategy = _deepspeed_strategy(strategy, deepspeed_config)
+        strategy = _deepspeed_strategy(strategy, deepspeed_config, batch_size)
     if any(getattr(a, "find_unused_parameters", False) for a in algorithms):
         from kiln.parallel.strategy import get_strategy
 
@@ -49,13 +51,18 @@ def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
     return optimizers[0]
 
 
-def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str) -> Any:
+def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str, batch_size: int | None) -> Any:
     from kiln.parallel.deepspeed import DeepSpeed
 
     if strategy not in (None, "auto", "deepspeed"):
         raise ValueError(f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
                          "deepspeed strategy; drop one of them")
-    return DeepSpeed(deepspeed_config)
+    ds = DeepSpeed(deepspeed_config)
+    if batch_size and "train_batch_size" not in ds.config:
+        # Composer fills it from the loader too. The Trainer's grad_accum splits this batch itself,
+        # so DeepSpeed sees one micro-batch of the whole per-rank batch per optimizer step.
+        ds.config.setdefault("train_micro_batch_size_per_gpu", batch_size)
+    return ds
 
 
 def targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:

@@ -118,7 +118,7 @@ class Trainer:
             engine = build_engine(model, optimizers, criterion, precision=precision, strategy=strategy,
                                   clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config,
                                   algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
-                                  ctx=ctx)
+                                  batch_size=getattr(train_dataloader, "batch_size", None), ctx=ctx)
         self.engine = engine
         module = engine.module
         self._is_kiln_model = isinstance(module, Model)
