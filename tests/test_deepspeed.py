@@ -66,22 +66,9 @@ def test_deepspeed_checkpoint_loads_under_ddp(parity, case):
 
 @pytest.mark.world_size(2)
 def test_deepspeed_checkpoint_loads_on_one_rank_without_deepspeed(parity):
-    import torch.distributed.checkpoint as dcp
+    from parallel_model import check_loads_on_one_process
 
-    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
-    from parallel_model import make_model
-
-    out = parity[0]
-    model = make_model(seed=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    state = get_state_dict(model, opt)
-    dcp.load(state, checkpoint_id=str(out / "ckpt_deepspeed_zero3"))
-    set_state_dict(model, opt, state)
-    full = torch.load(out / "deepspeed_zero3_full.pt", weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, full[name]), name
-    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
-    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in opt.state.values())
+    check_loads_on_one_process(parity[0], "deepspeed_zero3")
 
 
 @pytest.mark.world_size(2)

@@ -12,7 +12,6 @@ import math
 import sys
 
 import pytest
-import torch
 
 from distributed import WORKERS, check, kiln_run
 
@@ -85,22 +84,9 @@ def test_zero3_checkpoint_loads_under_ddp_on_two_ranks(two_ranks):
 
 @pytest.mark.world_size(2)
 def test_zero3_checkpoint_loads_on_one_rank(two_ranks):
-    import torch.distributed.checkpoint as dcp
+    from parallel_model import check_loads_on_one_process
 
-    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
-    from parallel_model import make_model  # noqa: E402
-
-    out = two_ranks[0]
-    model = make_model(seed=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    state = get_state_dict(model, opt)  # no process group: DCP reads the 2-rank shards whole
-    dcp.load(state, checkpoint_id=str(out / "ckpt_zero3"))
-    set_state_dict(model, opt, state)
-    full = torch.load(out / "zero3_full.pt", weights_only=True)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, full[name]), name
-    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
-    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in opt.state.values())
+    check_loads_on_one_process(two_ranks[0], "zero3")
 
 
 @pytest.mark.world_size(2)

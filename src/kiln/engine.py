@@ -161,8 +161,10 @@ class Engine:
         """Unscale (fp16) and clip to ``clip_grad_norm`` now; the next :meth:`optimizer_step` then
         steps without clipping again. For code that must run between the two (nnScaler's
         ``before_optimizer_step`` hook). Returns the norm before clipping (None: no clipping)."""
-        if self.clip_grad_norm is None or self._owned or self._clipped:
-            return self.last_grad_norm if self._clipped else None
+        if self._clipped:
+            return self.last_grad_norm
+        if self.clip_grad_norm is None or self._owned:
+            return None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
@@ -179,12 +181,8 @@ class Engine:
             return
         scaler = self.scaler
         if self.clip_grad_norm is not None:
-            if self._clipped:
-                self._clipped = False  # clip_gradients() did it for this step
-            else:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
+            self.clip_gradients()  # a no-op when it already ran for this step
+            self._clipped = False
         if scaler is not None:
             scaler.step(optimizer)  # skips the update when a gradient is inf/nan
             scaler.update()  # and lowers the scale then

@@ -48,3 +48,22 @@ def make_data(steps: int = 4, global_batch: int = 16):
     g = torch.Generator().manual_seed(1)
     n = steps * global_batch
     return torch.randn(n, 8, generator=g, dtype=DTYPE), torch.randint(0, 4, (n,), generator=g)
+
+
+def check_loads_on_one_process(out, tag: str) -> None:
+    """The DCP checkpoint OUT/ckpt_<tag>, saved by 2 ranks, loaded into a plain one-process model and
+    AdamW with no process group: the weights equal OUT/<tag>_full.pt and Adam's state is all there."""
+    import torch.distributed.checkpoint as dcp
+
+    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
+
+    model = make_model(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    state = get_state_dict(model, opt)  # no process group: DCP reads the 2-rank shards whole
+    dcp.load(state, checkpoint_id=str(out / f"ckpt_{tag}"))
+    set_state_dict(model, opt, state)
+    full = torch.load(out / f"{tag}_full.pt", weights_only=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, full[name]), name
+    assert {float(s["step"]) for s in opt.state.values()} == {4.0}
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in opt.state.values())

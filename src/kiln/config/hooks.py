@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-
 from kiln.config.components import HookMapConfig
 from kiln.config.reduction import AggregatedOutputs, GradReduction
 from kiln.core.callback import Callback

@@ -76,8 +76,9 @@ class ResumableSampler(DistributedSampler):
         return rest
 
     def __len__(self) -> int:
-        if self._world_skip:
-            return len(self._rest_of_world()) // self.num_replicas
+        if self._world_skip:  # the length of _rest_of_world() per rank, without building it
+            rest = max(len(self.dataset) - self._world_skip, 0)  # type: ignore[arg-type]
+            return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
         return self.num_samples - self._skip
 
     def state_dict(self) -> dict[str, int]:

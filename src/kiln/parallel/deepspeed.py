@@ -199,10 +199,7 @@ class DeepSpeed(Strategy):
             for name, value in _named_state(module).items()}}
         if optimizer is None:
             return state
-        base = _base_optimizer(optimizer)
-        _ensure_state(optimizer, base)
-        sample = next(iter(base.state.values()))
-        per_param = [k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0]
+        base, sample, per_param = _optimizer_layout(optimizer)
         shared = {k: v for k, v in sample.items() if k not in per_param}  # Adam's step: one per group
         flat: dict[str, Any] = {}
         for name, param in params.items():
@@ -247,10 +244,7 @@ class DeepSpeed(Strategy):
         flat = state.get("optimizer")
         if optimizer is None or not flat:
             return
-        base = _base_optimizer(optimizer)
-        _ensure_state(optimizer, base)
-        sample = next(iter(base.state.values()))
-        per_param = [k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0]
+        base, sample, per_param = _optimizer_layout(optimizer)
         for name, param in params.items():
             if not param.requires_grad:
                 continue
@@ -282,9 +276,13 @@ def _named_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return dict(module.state_dict(keep_vars=True))
 
 
-def _base_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer DeepSpeed steps over its flat fp32 partitions."""
-    return getattr(optimizer, "optimizer", optimizer)
+def _optimizer_layout(optimizer: Any) -> tuple[torch.optim.Optimizer, dict[str, Any], list[str]]:
+    """(the torch optimizer DeepSpeed steps over its flat fp32 partitions, one entry of its state,
+    the state keys shaped like a parameter), after giving a fresh optimizer its state."""
+    base = getattr(optimizer, "optimizer", optimizer)
+    _ensure_state(optimizer, base)
+    sample = next(iter(base.state.values()))
+    return base, sample, [k for k, v in sample.items() if torch.is_tensor(v) and v.dim() > 0]
 
 
 def _ensure_state(optimizer: Any, base: torch.optim.Optimizer) -> None:
