@@ -83,12 +83,14 @@ def test_step_in_batches_with_dur_step():
     assert got == [0.1 ** (b // 25) for b in BATCHES]
 
 
-@pytest.mark.parametrize(("ssr", "milestones"), [(1.0, [3, 5, 9]), (2.0, [6, 10, 18]), (0.5, [1.5, 2.5, 4.5])])
+# The Trainer scales max_duration by ssr (10ep -> 20ep / 5ep); `dur` is a fraction of that scaled
+# run and is not scaled again (Composer): whole epochs, rounded down.
+@pytest.mark.parametrize(("ssr", "milestones"), [(1.0, [3, 5, 9]), (2.0, [6, 10, 18]), (0.5, [1, 2, 4])])
 def test_multistep_dur_milestones_in_epochs(ssr, milestones):
     per_epoch = 4
     sched = MultiStepScheduler(milestones=["0.3dur", "0.5dur", "0.9dur"], gamma=0.1)
     batches = range(0, 80)
-    got = curve(sched, make_state("10ep"), batches, per_epoch, ssr)
+    got = curve(sched, make_state(f"{int(10 * ssr)}ep"), batches, per_epoch, ssr)
     assert got == [0.1 ** sum((b // per_epoch) >= m for m in milestones) for b in batches]
 
 
@@ -117,13 +119,15 @@ def test_exponential_default_period_is_one_epoch():
 
 @pytest.mark.parametrize("ssr", [1.0, 0.5, 2.0])
 def test_linear(ssr):
-    got = curve(LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max="1dur"), make_state("100ba"), BATCHES, ssr=ssr)
+    got = curve(LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max="1dur"), make_state(f"{int(100 * ssr)}ba"), BATCHES,
+                ssr=ssr)
     assert got == [1.0 + min(1.0, b / (100 * ssr)) * (0.1 - 1.0) for b in BATCHES]
 
 
 @pytest.mark.parametrize("ssr", [1.0, 0.5, 2.0])
 def test_cosine_in_batches(ssr):
-    got = curve(CosineAnnealingScheduler(t_max="1dur", alpha_f=0.05), make_state("100ba"), BATCHES, ssr=ssr)
+    got = curve(CosineAnnealingScheduler(t_max="1dur", alpha_f=0.05), make_state(f"{int(100 * ssr)}ba"), BATCHES,
+                ssr=ssr)
     assert got == [cos_anneal(min(1.0, b / (100 * ssr)), 0.05) for b in BATCHES]
 
 
@@ -150,7 +154,7 @@ def test_cosine_on_wall_clock():
 
 
 @pytest.mark.parametrize(("t_mult", "ssr", "cycles"), [
-    (1.0, 1.0, [10] * 20), (2.0, 1.0, [10, 20, 40, 80]), (2.0, 2.0, [20, 40, 80]), (1.5, 0.5, [5, 7.5, 11.25, 16.875, 25.3125]),
+    (1.0, 1.0, [10] * 20), (2.0, 1.0, [10, 20, 40, 80]), (2.0, 2.0, [20, 40, 80]), (1.5, 0.5, [5, 7, 10, 15, 22, 33]),
 ])
 def test_cosine_warm_restarts(t_mult, ssr, cycles):
     def expected(b):
@@ -169,7 +173,7 @@ def test_cosine_warm_restarts(t_mult, ssr, cycles):
 
 @pytest.mark.parametrize("ssr", [1.0, 0.5, 2.0])
 def test_polynomial(ssr):
-    got = curve(PolynomialScheduler(power=2.0, alpha_f=0.1), make_state("100ba"), BATCHES, ssr=ssr)
+    got = curve(PolynomialScheduler(power=2.0, alpha_f=0.1), make_state(f"{int(100 * ssr)}ba"), BATCHES, ssr=ssr)
     assert got == [0.1 + 0.9 * (1 - min(1.0, b / (100 * ssr))) ** 2.0 for b in BATCHES]
 
 
@@ -180,7 +184,7 @@ def test_polynomial(ssr):
 ])
 def test_linear_with_warmup(ssr, scale_warmup, warm, t_max):
     sched = LinearWithWarmupScheduler(t_warmup="10ba", alpha_i=1.0, alpha_f=0.2, scale_warmup=scale_warmup)
-    got = curve(sched, make_state("100ba"), BATCHES, ssr=ssr)
+    got = curve(sched, make_state(f"{t_max}ba"), BATCHES, ssr=ssr)  # the Trainer's max_duration: 100ba * ssr
     assert got == [b / warm if b < warm else 1.0 + min(1.0, (b - warm) / (t_max - warm)) * (0.2 - 1.0)
                    for b in BATCHES]
 
@@ -192,17 +196,19 @@ def test_linear_with_warmup_ramps_to_alpha_i():
 
 @pytest.mark.parametrize("ssr", [1.0, 2.0])
 def test_constant_with_warmup(ssr):
-    got = curve(ConstantWithWarmupScheduler(t_warmup="4ba", alpha=0.5), make_state("20ba"), range(30), ssr=ssr)
+    got = curve(ConstantWithWarmupScheduler(t_warmup="4ba", alpha=0.5), make_state(f"{int(20 * ssr)}ba"), range(30),
+                ssr=ssr)
     assert got == [b / 4 * 0.5 if b < 4 else 0.5 for b in range(30)]
 
 
 @pytest.mark.parametrize(("ssr", "scale_warmup", "warm", "t_max"), [
-    (1.0, False, 10, 100), (2.0, False, 10, 200), (0.5, False, 10, 50), (2.0, True, 20, 200),
+    (1.0, False, 10, 100), (2.0, False, 20, 200), (0.5, False, 5, 50), (2.0, True, 20, 200),
 ])
 def test_cosine_with_warmup_dur_warmup_epoch_run(ssr, scale_warmup, warm, t_max):
-    # 0.1dur of 10ep with 10 batches per epoch: 10 warmup batches, 100 in the run.
+    # 0.1dur of the scaled run (10ep * ssr, 10 batches per epoch): a `dur` warmup is a fraction of
+    # the run the Trainer scaled, so it follows the ratio whatever scale_warmup says (Composer).
     sched = CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur", alpha_f=0.1, scale_warmup=scale_warmup)
-    state = make_state("10ep", dataloader_len=10)
+    state = make_state(f"{int(10 * ssr)}ep", dataloader_len=10)
     got = curve(sched, state, BATCHES, per_epoch=10, ssr=ssr)
     assert got == [b / warm if b < warm else cos_anneal(min(1.0, (b - warm) / (t_max - warm)), 0.1)
                    for b in BATCHES]
@@ -220,7 +226,7 @@ def test_cosine_with_warmup_in_epochs():
 def test_polynomial_with_warmup(ssr, scale_warmup, warm, t_max):
     sched = PolynomialWithWarmupScheduler(t_warmup="100ba", power=2.0, alpha_f=0.0, scale_warmup=scale_warmup)
     batches = list(range(0, 2101, 50)) + [1, 49, 99, 101]
-    got = curve(sched, make_state("1000ba"), sorted(batches), ssr=ssr)
+    got = curve(sched, make_state(f"{t_max}ba"), sorted(batches), ssr=ssr)
     assert got == [b / warm if b < warm else (1 - min(1.0, (b - warm) / (t_max - warm))) ** 2.0
                    for b in sorted(batches)]
 
@@ -228,7 +234,7 @@ def test_polynomial_with_warmup(ssr, scale_warmup, warm, t_max):
 @pytest.mark.parametrize(("ssr", "milestones"), [(1.0, [4, 8]), (2.0, [8, 16]), (0.5, [2, 4])])
 def test_multistep_with_warmup(ssr, milestones):
     sched = MultiStepWithWarmupScheduler(t_warmup="2ep", milestones=["4ep", "0.8dur"], gamma=0.1)
-    got = curve(sched, make_state("10ep"), range(0, 60), per_epoch=3, ssr=ssr)
+    got = curve(sched, make_state(f"{int(10 * ssr)}ep"), range(0, 60), per_epoch=3, ssr=ssr)
     assert got == [(b // 3) / 2 if b // 3 < 2 else 0.1 ** sum((b // 3) >= m for m in milestones)
                    for b in range(0, 60)]
 
@@ -281,7 +287,7 @@ def _sgd(lr=0.1):
 @pytest.mark.parametrize("ssr", [1.0, 2.0])
 def test_compile_composer_scheduler_sets_lr_every_batch(ssr):
     sched = CosineAnnealingWithWarmupScheduler(t_warmup="5ba", alpha_f=0.1)
-    state = make_state("50ba")
+    state = make_state(f"{int(50 * ssr)}ba")
     opt = _sgd(0.1)
     lr_sched = compile_composer_scheduler(sched, state, opt, ssr=ssr)
     assert isinstance(lr_sched, torch.optim.lr_scheduler.LRScheduler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import operator
 import re
@@ -28,7 +29,9 @@ class TimeUnit(str, Enum):
 
 _INT_UNITS = frozenset({TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN})
 _UNIT_LIST = ", ".join(u.value for u in TimeUnit)
-_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?"
+# Digits may be grouped with single underscores, as Python's float() and so Composer accept ("4_000tok").
+_DIGITS = r"\d+(?:_\d+)*"
+_NUMBER = rf"(?:{_DIGITS}\.?(?:{_DIGITS})?|\.{_DIGITS})(?:e[+-]?{_DIGITS})?"
 _UNIT_RE = re.compile(rf"({_NUMBER})(ep|ba|sp|tok|dur|sec)")
 _CLOCK_RE = re.compile(rf"(?:({_NUMBER})h)?(?:({_NUMBER})m)?(?:({_NUMBER})s)?")
 
@@ -116,13 +119,13 @@ class Time:
             raise _bad_string(text, "negative times are not allowed")
         match = _UNIT_RE.fullmatch(s)
         if match:
-            number, unit = float(match.group(1)), TimeUnit(match.group(2))
+            number, unit = float(match.group(1).replace("_", "")), TimeUnit(match.group(2))
             if unit in _INT_UNITS and not number.is_integer():
                 raise _bad_string(text, f"'{unit.value}' counts must be whole numbers")
             return cls(int(number) if unit in _INT_UNITS else number, unit)
         match = _CLOCK_RE.fullmatch(s)
         if s and match:
-            hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+            hours, minutes, seconds = (float(g.replace("_", "")) if g else 0.0 for g in match.groups())
             return cls(hours * 3600.0 + minutes * 60.0 + seconds, TimeUnit.SECOND)
         raise _bad_string(text)
 
@@ -291,6 +294,27 @@ _UNIT_FIELD = {TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch", TimeUnit.SAMP
                TimeUnit.TOKEN: "_token", TimeUnit.SECOND: "_total_wct"}
 
 
+def _seconds(value: Any) -> float:
+    """Wall-clock seconds from a float, a ``datetime.timedelta`` (Composer's clocks) or ``None`` (0)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int:
+    """A per-batch count: an int or a :class:`Time` (Composer passes either)."""
+    value = value.value if isinstance(value, Time) else value
+    try:
+        count = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative int (or a Time) counting this batch's {name}")
+    return count
+
+
 def _counter(field: str, unit: TimeUnit, doc: str) -> property:
     return property(lambda self: Time(getattr(self, field), unit), doc=doc)
 
@@ -344,8 +368,15 @@ class Timestamp:
         return Time(getattr(self, _UNIT_FIELD[unit]), unit)
 
     # -- the hot path ---------------------------------------------------------------------------
-    def advance_batch(self, samples: int, tokens: int = 0, duration: float = 0.0) -> None:
-        """Count one finished batch of ``samples`` samples and ``tokens`` tokens that took ``duration`` s."""
+    def advance_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
+                      duration: float | datetime.timedelta | None = 0.0) -> None:
+        """Count one finished batch of ``samples`` samples and ``tokens`` tokens that took ``duration``.
+
+        The arguments are those of Composer's ``Timestamp.to_next_batch``: counts may be ints or
+        :class:`Time`, ``duration`` float seconds, a ``datetime.timedelta`` or ``None`` (0).
+        """
+        if type(samples) is not int or type(tokens) is not int or type(duration) is not float:
+            samples, tokens, duration = _count(samples, "samples"), _count(tokens, "tokens"), _seconds(duration)
         self._batch += 1
         self._batch_in_epoch += 1
         self._sample += samples
@@ -356,17 +387,51 @@ class Timestamp:
         self._epoch_wct += duration
         self._batch_wct = duration
 
-    def advance_epoch(self) -> None:
-        """Count one finished epoch and reset the in-epoch counters and ``epoch_wct``."""
+    def advance_epoch(self, duration: float | datetime.timedelta | None = None) -> None:
+        """Count one finished epoch: reset the in-epoch counters, ``epoch_wct`` and ``batch_wct``.
+
+        ``duration`` (Composer's ``to_next_epoch`` argument) is time spent outside the batches,
+        added to ``total_wct``.
+        """
         self._epoch += 1
         self._batch_in_epoch = 0
         self._sample_in_epoch = 0
         self._token_in_epoch = 0
+        self._total_wct += _seconds(duration)
         self._epoch_wct = 0.0
+        self._batch_wct = 0.0
+
+    def to_next_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
+                      duration: float | datetime.timedelta | None = None) -> Timestamp:
+        """A new Timestamp one batch on (Composer's immutable form of :meth:`advance_batch`)."""
+        following = self.copy()
+        following.advance_batch(samples, tokens, duration)
+        return following
+
+    def to_next_epoch(self, duration: float | datetime.timedelta | None = None) -> Timestamp:
+        """A new Timestamp one epoch on (Composer's immutable form of :meth:`advance_epoch`)."""
+        following = self.copy()
+        following.advance_epoch(duration)
+        return following
 
     # -- state --------------------------------------------------------------------------------
-    def copy(self) -> Timestamp:
-        return Timestamp(**self.state_dict())
+    def copy(self, **fields: int | float | Time | datetime.timedelta | None) -> Timestamp:
+        """A copy, with the named fields replaced (Composer's ``copy(epoch=..., batch_wct=...)``).
+
+        A field given as ``None`` keeps its value, as in Composer.
+
+        Example:
+            >>> Timestamp(epoch=2, batch=10).copy(batch=Time(12, "ba")).batch.value
+            12
+        """
+        unknown = sorted(set(fields) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"Timestamp.copy() got unknown field(s) {unknown}; the fields are {list(_FIELDS)}")
+        values = self.state_dict()
+        for name, value in fields.items():
+            if value is not None:
+                values[name] = _seconds(value) if name in _CLOCKS else value
+        return Timestamp(**values)
 
     def state_dict(self) -> dict[str, int | float]:
         return {name: getattr(self, "_" + name) for name in _FIELDS}
@@ -387,7 +452,7 @@ class Timestamp:
                 raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
             setattr(self, "_" + name, count)
         for name in _CLOCKS:
-            setattr(self, "_" + name, float(state_dict.get(name, 0.0)))
+            setattr(self, "_" + name, _seconds(state_dict.get(name, 0.0)))
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, '_' + name)!r}" for name in _FIELDS)

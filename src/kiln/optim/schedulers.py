@@ -8,9 +8,13 @@ compared with ``state.timestamp.get(X)``. When the state knows its epoch length
 (``state.dataloader_len``, batches per epoch, an int or a ``Time`` in ``ba``), epoch times are
 turned into batches first, so an epoch-long schedule moves every batch as in Composer.
 
-``ssr`` (the scale-schedule ratio) stretches every schedule time by ``ssr``; warmup is stretched
+``ssr`` (the scale-schedule ratio) is Composer's: the Trainer scales ``max_duration`` by it, a
+``dur`` time is a fraction of that scaled run (so ``1dur`` still ends with the run), and a time in
+``ep``/``ba``/``sp``/``tok`` is stretched by ``ssr`` once (counts round down). Warmup is stretched
 only when the scheduler was built with ``scale_warmup=True``. The warmup forms ramp linearly from
-0 over ``t_warmup``, then decay over ``t_max - t_warmup`` measured from ``t_warmup``.
+0 over ``t_warmup``, then decay over ``t_max - t_warmup`` measured from ``t_warmup``; one whose
+``t_max`` ends before ``max_duration`` raises unless built with ``allow_short_t_max=True``.
+A plain function ``f(state) -> float`` or ``f(state, ssr) -> float`` is a scheduler too.
 :func:`compile_composer_scheduler` (from :mod:`kiln.optim.lr_scheduler`) turns any of them into a
 torch ``LRScheduler`` the loop steps every batch.
 """
@@ -21,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kiln.core.time import Time, TimeUnit, resolve_fraction
+from kiln.core.time import Time, TimeUnit, _round_down, resolve_fraction
 from kiln.optim.lr_scheduler import ComposerLRScheduler, compile_composer_scheduler
 
 __all__ = [
@@ -60,11 +64,9 @@ def _batches_per_epoch(state: Any) -> int | None:
     return int(length) if length else None
 
 
-def _convert(time: Time, state: Any, ssr: float = 1.0) -> tuple[float, TimeUnit]:
-    """``time`` as ``(value, unit)`` with ``unit`` countable by the timestamp, stretched by ``ssr``.
-
-    The value stays a float: ``"3ep"`` at ``ssr=0.5`` is 1.5 epochs, not 1.
-    """
+def _max_duration(state: Any) -> tuple[Time, int | None]:
+    """``state.max_duration`` (in batches when it counts epochs and the epoch length is known), and
+    the epoch length."""
     max_duration = state.max_duration
     if max_duration is None:
         raise ValueError("the scheduler needs state.max_duration to be set (e.g. '10ep' or '1000ba')")
@@ -72,11 +74,33 @@ def _convert(time: Time, state: Any, ssr: float = 1.0) -> tuple[float, TimeUnit]
     per_epoch = _batches_per_epoch(state)
     if per_epoch is not None and max_duration.unit == TimeUnit.EPOCH:
         max_duration = Time(max_duration.value * per_epoch, TimeUnit.BATCH)
-    time = resolve_fraction(time, max_duration)
+    return max_duration, per_epoch
+
+
+def _convert(time: Time, state: Any, ssr: float = 1.0) -> tuple[float, TimeUnit]:
+    """``time`` as ``(value, unit)`` with ``unit`` countable by the timestamp (Composer's rule).
+
+    ``dur`` is a fraction of ``state.max_duration``, which the Trainer has already scaled by the
+    ratio, so it is never scaled again: a ``1dur`` schedule ends with the run whatever the ratio.
+    Any other time is stretched by ``ssr`` once, and an integer count rounds down as in Composer
+    (``25ba`` at 0.5 is 12 batches). Epochs become batches first when the epoch length is known,
+    as ``1ep`` at 0.5 is half an epoch; without it they stay (fractional) epochs.
+    """
+    max_duration, per_epoch = _max_duration(state)
+    if time.unit == TimeUnit.DURATION:
+        time = resolve_fraction(time, max_duration)
+        return float(time.value), time.unit
     value, unit = float(time.value), time.unit
     if per_epoch is not None and unit == TimeUnit.EPOCH:
         value, unit = value * per_epoch, TimeUnit.BATCH
-    return value * ssr, unit
+    if ssr != 1.0:
+        value *= ssr
+        if unit in _COUNTED:
+            value = float(_round_down(value))
+    return value, unit
+
+
+_COUNTED = frozenset({TimeUnit.BATCH, TimeUnit.SAMPLE, TimeUnit.TOKEN})
 
 
 def _now(state: Any, unit: TimeUnit) -> float:
@@ -259,7 +283,10 @@ class CosineAnnealingWarmRestartsScheduler(ComposerScheduler):
         else:  # cycles grow geometrically, so this loops O(log t) times
             while since_restart >= cycle:
                 since_restart -= cycle
-                cycle *= self.t_mult
+                # a counted cycle rounds down, as in Composer (10ba * 1.5 = 15ba, * 1.5 = 22ba)
+                cycle = float(_round_down(cycle * self.t_mult)) if unit in _COUNTED else cycle * self.t_mult
+                if cycle <= 0:
+                    raise ValueError(f"t_0 {self.t_0} with t_mult {self.t_mult} gives a cycle of 0 {unit.value}")
         return _cosine(since_restart / cycle, self.alpha_f)
 
 
@@ -287,20 +314,36 @@ class _WithWarmup(ComposerScheduler):
 
     t_max: Time
 
-    def __init__(self, t_warmup: TimeLike, scale_warmup: bool) -> None:
+    def __init__(self, t_warmup: TimeLike, scale_warmup: bool, allow_short_t_max: bool = False) -> None:
         self.t_warmup = _parse(t_warmup, "t_warmup")
         self.scale_warmup = scale_warmup
+        self.allow_short_t_max = allow_short_t_max
 
     def _warmup_end(self, state: Any, ssr: float) -> tuple[float, TimeUnit]:
         return _convert(self.t_warmup, state, ssr if self.scale_warmup else 1.0)
 
+    def _check_t_max(self, t_max: float, unit: TimeUnit, state: Any, ssr: float) -> None:
+        """Refuse a schedule that ends before the run (Composer raises too): past ``t_max`` the
+        learning rate would silently hold its final value for the rest of training."""
+        if self.allow_short_t_max:
+            return
+        max_duration, _ = _max_duration(state)
+        if max_duration.unit == unit and t_max < max_duration.value:
+            ratio = f" at scale_schedule_ratio={ssr:g}" if ssr != 1.0 else ""
+            raise ValueError(
+                f"{type(self).__name__}: t_max={self.t_max} ends at {t_max:g}{unit.value}{ratio}, before "
+                f"max_duration ({max_duration.value:g}{unit.value}); the learning rate would hold its final value "
+                "for the rest of the run. Give t_max >= max_duration (e.g. '1dur'), or pass allow_short_t_max=True "
+                "to keep the short schedule")
+
     def _progress(self, state: Any, ssr: float) -> tuple[bool, float]:
         """``(True, fraction of warmup done)`` in warmup, else ``(False, fraction of t_warmup..t_max done)``."""
         warmup, unit = self._warmup_end(state, ssr)
+        t_max, max_unit = _convert(self.t_max, state, ssr)
+        self._check_t_max(t_max, max_unit, state, ssr)
         now = _now(state, unit)
         if now < warmup:
             return True, now / warmup
-        t_max, max_unit = _convert(self.t_max, state, ssr)
         if max_unit != unit:
             raise ValueError(
                 f"{type(self).__name__}: t_warmup {self.t_warmup} counts in '{unit.value}' but t_max {self.t_max} "
@@ -339,8 +382,8 @@ class LinearWithWarmupScheduler(_WithWarmup):
     """
 
     def __init__(self, t_warmup: TimeLike, alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: TimeLike = "1dur",
-                 scale_warmup: bool = False) -> None:
-        super().__init__(t_warmup, scale_warmup)
+                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+        super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.alpha_i = alpha_i
         self.alpha_f = alpha_f
         self.t_max = _parse(t_max, "t_max")
@@ -361,8 +404,9 @@ class ConstantWithWarmupScheduler(LinearWithWarmupScheduler):
     """
 
     def __init__(self, t_warmup: TimeLike, alpha: float = 1.0, t_max: TimeLike = "1dur",
-                 scale_warmup: bool = False) -> None:
-        super().__init__(t_warmup, alpha_i=alpha, alpha_f=alpha, t_max=t_max, scale_warmup=scale_warmup)
+                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+        super().__init__(t_warmup, alpha_i=alpha, alpha_f=alpha, t_max=t_max, scale_warmup=scale_warmup,
+                         allow_short_t_max=allow_short_t_max)
         self.alpha = alpha
 
 
@@ -375,8 +419,8 @@ class CosineAnnealingWithWarmupScheduler(_WithWarmup):
     """
 
     def __init__(self, t_warmup: TimeLike, t_max: TimeLike = "1dur", alpha_f: float = 0.0,
-                 scale_warmup: bool = False) -> None:
-        super().__init__(t_warmup, scale_warmup)
+                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+        super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.t_max = _parse(t_max, "t_max")
         self.alpha_f = alpha_f
 
@@ -394,8 +438,8 @@ class PolynomialWithWarmupScheduler(_WithWarmup):
     """
 
     def __init__(self, t_warmup: TimeLike, power: float = 2.0, t_max: TimeLike = "1dur", alpha_f: float = 0.0,
-                 scale_warmup: bool = False) -> None:
-        super().__init__(t_warmup, scale_warmup)
+                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+        super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.power = power
         self.t_max = _parse(t_max, "t_max")
         self.alpha_f = alpha_f

@@ -14,7 +14,7 @@ from torch import nn
 from kiln.core.model import Model
 from kiln.engine import Engine
 
-__all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers"]
+__all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
 
 
 def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
@@ -85,14 +85,15 @@ def check_algorithms(algorithms: Sequence[Any], engine: Engine) -> None:
 
 def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
                      ssr: float) -> tuple[list[Any], list[Any]]:
-    """(stepped every batch, stepped every epoch). Time-aware (Composer) schedulers are compiled
-    into a torch scheduler stepped every batch; torch schedulers step per epoch unless
-    ``every_batch``. Each one is also added to ``state.schedulers`` (checkpointed)."""
+    """(stepped every batch, stepped every epoch). Time-aware (Composer) schedulers, and functions
+    ``f(state)``/``f(state, ssr)``, are compiled into a torch scheduler stepped every batch; torch
+    schedulers step per epoch unless ``every_batch``, and are stretched by ``ssr`` as Composer does
+    (or refused when they cannot be). Each one is also added to ``state.schedulers`` (checkpointed)."""
     per_batch: list[Any] = []
     per_epoch: list[Any] = []
     if schedulers is None:
         return per_batch, per_epoch
-    from kiln.optim.lr_scheduler import compile_composer_scheduler
+    from kiln.optim.lr_scheduler import compile_composer_scheduler, scale_torch_scheduler
     from kiln.optim.schedulers import ComposerScheduler
 
     for scheduler in schedulers if isinstance(schedulers, (list, tuple)) else [schedulers]:
@@ -101,9 +102,18 @@ def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
                 raise ValueError("a time-aware scheduler needs an optimizer; pass optimizers=")
             scheduler = compile_composer_scheduler(scheduler, state, state.optimizer, ssr=ssr)
             per_batch.append(scheduler)
-        elif every_batch:
-            per_batch.append(scheduler)
         else:
-            per_epoch.append(scheduler)
+            scale_torch_scheduler(scheduler, ssr)
+            (per_batch if every_batch else per_epoch).append(scheduler)
         state.schedulers.append(scheduler)
     return per_batch, per_epoch
+
+
+def check_schedulers(schedulers: Sequence[Any], state: Any) -> None:
+    """Evaluate each time-aware schedule once at fit start, so a schedule that cannot cover the run
+    (e.g. a warmup scheduler whose ``t_max`` ends before ``max_duration``) fails before training."""
+    from kiln.optim.lr_scheduler import ComposerLRScheduler
+
+    for scheduler in schedulers:
+        if isinstance(scheduler, ComposerLRScheduler):
+            scheduler._schedule(state, scheduler.ssr)

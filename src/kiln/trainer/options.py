@@ -52,6 +52,7 @@ class TrainerOptions:
     auto_microbatch: bool = False
     eval_interval: Time | Callable = field(default_factory=lambda: Time(1, TimeUnit.EPOCH))
     eval_subset_num_batches: int | None = None
+    train_subset_num_batches: int | None = None
     log_every: int = 1
     save_type: str = "sharded"
     loggers: list = field(default_factory=list)
@@ -91,6 +92,12 @@ class TrainerOptions:
         if subset is not None and (not isinstance(subset, int) or subset < 1):
             raise ValueError(f"eval_subset_num_batches={subset!r} must be a positive int or None")
         opts.eval_subset_num_batches = subset
+        train_subset = args["train_subset_num_batches"]
+        if train_subset is not None and train_subset != -1 and (isinstance(train_subset, bool) or
+                                                                not isinstance(train_subset, int) or train_subset < 1):
+            raise ValueError(f"train_subset_num_batches={train_subset!r} must be a positive int, or -1/None for "
+                             "the whole dataloader")
+        opts.train_subset_num_batches = None if train_subset == -1 else train_subset
         log = Time.from_input(args["log_interval"], TimeUnit.BATCH)
         if log.unit != TimeUnit.BATCH or log.value < 1:
             raise ValueError(f"log_interval={args['log_interval']!r} must be a positive number of batches, e.g. '10ba'")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -23,7 +24,7 @@ from kiln.launch.context import context, seed_everything
 from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
 from kiln.trainer.batching import num_samples, num_tokens, split_batch
-from kiln.trainer.building import build_engine, check_algorithms, split_schedulers, targets_loss
+from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate
 from kiln.trainer.events import EventRunner
 from kiln.trainer.options import TrainerOptions, resolve_duration
@@ -50,6 +51,8 @@ class Trainer:
             ``"auto"``: halve on out-of-memory and retry).
         algorithms, callbacks, loggers: run on the events of :class:`kiln.Event`.
         eval_interval: a Time (``"1ep"``, ``"100ba"``) or int epochs.
+        train_subset_num_batches: train on only the first N batches of each epoch (Composer's;
+            ``None`` or ``-1``: the whole loader). Epoch-based times count N batches per epoch.
         save_folder, save_interval, ...: checkpointing (see :mod:`kiln.checkpoint`).
         engine, logger: the Colossal-AI form ``Trainer(engine=engine, logger=logger)``.
 
@@ -101,6 +104,7 @@ class Trainer:
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
         deepspeed_config: Mapping[str, Any] | str | None = None,
+        train_subset_num_batches: int | None = None,
     ) -> None:
         self.options = opts = TrainerOptions.validate(locals())
         ctx = context()
@@ -178,6 +182,9 @@ class Trainer:
             self.state.dataloader_len = len(loader)  # type: ignore[arg-type]
         except TypeError:
             self.state.dataloader_len = None
+        subset = self.options.train_subset_num_batches
+        if subset is not None:  # an epoch is the subset (Composer sets dataloader_len the same way)
+            self.state.dataloader_len = subset if self.state.dataloader_len is None else min(subset, self.state.dataloader_len)
 
     def _set_eval_dataloader(self, loader: Iterable | None) -> None:
         if loader is not None:
@@ -317,6 +324,7 @@ class Trainer:
             raise ValueError("no duration: pass max_duration= to the Trainer, or duration=/epochs= to fit()")
         if self.train_dataloader is None:
             raise ValueError("no training data: pass train_dataloader= to the Trainer or to fit()")
+        check_schedulers(self._per_batch_schedulers, state)
         hook_callback = None
         if hooks:
             from kiln.trainer.hooks import ColossalHookCallback
@@ -352,6 +360,9 @@ class Trainer:
         if resume_skip and not skip_in_sampler:
             for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
                 next(iterator, None)
+        subset = self.options.train_subset_num_batches
+        if subset is not None:  # the epoch ends after the subset's batches (resumed ones count)
+            iterator = itertools.islice(iterator, max(0, subset - resume_skip))
         return iterator
 
     def _train_batch(self, batch_size: int) -> None:
