@@ -266,3 +266,132 @@ def test_allow_short_t_max_holds_the_final_value():
     assert [lr[k] for k in range(1, 17)] == pytest.approx(
         [BASE_LR * (k / 2 if k < 2 else 1 - 0.5 * min(1.0, (k - 2) / 8)) for k in range(1, 17)], rel=1e-12)
     assert lr[16] == lr[10] == pytest.approx(BASE_LR * 0.5)
+
+
+# ---- 3. __value_type values are not guessed -----------------------------------------------------------
+
+def _built(argv, cfg=None):
+    from kiln.config.build import build_value
+    from kiln.config.overrides import apply_overrides
+
+    return build_value(apply_overrides(cfg or {}, typed_overrides(argv, cfg)))
+
+
+def test_value_type_value_keeps_the_command_line_text():
+    # nnScaler: value_type(raw text); nothing is guessed first ('1e3', not '1000.0').
+    argv = ["--model.args.name.__value_type", "str", "--model.args.name.value", "1e3"]
+    assert _built(argv)["model"]["args"]["name"] == "1e3"
+    argv = ["--model.args.name.value=007", "--model.args.name.__value_type=str"]  # order does not matter
+    assert _built(argv)["model"]["args"]["name"] == "007"
+    assert _built(["--x.__value_type", "float", "--x.value", "1e3"])["x"] == 1000.0
+    assert _built(["--x.__value_type", "int", "--x.value", "007"])["x"] == 7
+    cfg = {"model": {"args": {"tag": {"__value_type": "str", "value": "1"}}}}  # __value_type from the YAML
+    assert _built(["--model.args.tag.value", "[1, 2]"], cfg)["model"]["args"]["tag"] == "[1, 2]"
+    assert _built(["--model.args.value", "1e3"])["model"]["args"]["value"] == 1000.0  # no __value_type: guessed
+
+
+# ---- 4. nnScaler YAML that kiln used to refuse ------------------------------------------------------
+
+NNSCALER_YAML = """\
+vars:
+  dim: 16
+  lr: 0.01
+  tag: small
+model:
+  type: cli_models.TokenModel
+  args: {dim: $(vars.dim)}
+optimizer:
+  type: torch.optim.SGD
+  args: {lr: $(vars.lr)}
+dataset:
+  type: cli_models.TokenDataset
+  train_args: {size: 8}
+checkpoint: {no_save: true}
+instance_name: run-$(vars.tag)-$(vars.dim)
+micro_batch_size: 2
+max_train_steps: 1
+enable_progress_bar: false
+"""
+
+
+def test_vars_section_is_resolved_and_dropped(tmp_path):
+    import yaml
+
+    from kiln.config.args import dump_yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(NNSCALER_YAML)
+    args = load_trainer_args(path, ["--vars.dim", "32"], world_size=1, check=False)
+    resolved = yaml.safe_load(dump_yaml(args))
+    assert "vars" not in resolved
+    assert resolved["model"] == {"type": "cli_models.TokenModel", "args": {"dim": 32}}
+    assert resolved["optimizer"]["args"] == {"lr": 0.01}
+    assert resolved["instance_name"] == "run-small-32"
+    # the dump reads back to the same arguments (vars are gone, their values stay)
+    assert load_trainer_args(resolved, world_size=1, check=False) == args
+    path.write_text(NNSCALER_YAML.replace("vars:\n  dim: 16\n  lr: 0.01\n  tag: small\n", "vars: [1, 2]\n"))
+    with pytest.raises(ConfigError, match=r"^vars: got \[1, 2\] \(list\), expected a mapping"):
+        load_trainer_args(path, world_size=1, check=False)
+
+
+def _yaml_args(tmp_path, argv, text=NNSCALER_YAML):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return load_trainer_args(path, argv, world_size=1, check=False)
+
+
+def test_bare_boolean_flags_mean_true(tmp_path):
+    args = _yaml_args(tmp_path, ["--enable_progress_bar", "--compute_config.use_zero", "--max_train_steps", "3"])
+    assert args.enable_progress_bar is True and args.compute_config.use_zero is True and args.max_train_steps == 3
+    assert _yaml_args(tmp_path, ["--max_train_steps", "3", "--enable_progress_bar"]).enable_progress_bar is True
+    assert _yaml_args(tmp_path, ["--enable_progress_bar", "false"]).enable_progress_bar is False
+    with pytest.raises(ConfigError, match="max_train_steps: no value given for '--max_train_steps'"):
+        _yaml_args(tmp_path, ["--max_train_steps", "--enable_progress_bar"])
+
+
+def make_name(prefix: str, dim: int) -> str:
+    """Used by name as instance_name.__type below."""
+    return f"{prefix}-{dim * 2}"
+
+
+def test_type_builds_a_string_field_with_a_function(tmp_path):
+    argv = ["--instance_name.__type", "test_peer_compat.make_name", "--instance_name.prefix", "exp",
+            "--instance_name.dim", "$(vars.dim)"]
+    assert _yaml_args(tmp_path, argv).instance_name == "exp-32"
+    text = NNSCALER_YAML + "checkpoint: {no_save: true, save_dir: {__value_type: str, value: '001'}}\n"
+    assert _yaml_args(tmp_path, [], text).checkpoint.save_dir == "001"
+    with pytest.raises(ConfigError, match="instance_name.__type: cannot import 'test_peer_compat.nope'"):
+        _yaml_args(tmp_path, ["--instance_name.__type", "test_peer_compat.nope"])
+    # a component's args are built with the component, not while the config is read
+    args = _yaml_args(tmp_path, ["--model.args.block.__type", "test_peer_compat.nope"])
+    assert args.model.args["block"] == {"__type": "test_peer_compat.nope"}
+
+
+def _strategy(world=4, pas_policy="autodist", **cc):
+    args = TrainerArgs.from_dict({"model": {"type": "m.M"}, "optimizer": {"type": "o.O"}, "dataset": {"type": "d.D"},
+                                  "max_epochs": 1, "pas_policy": pas_policy, "compute_config": cc})
+    return args.compute_config.strategy_name(pas_policy, world), args.compute_config.mesh_degrees(pas_policy)
+
+
+def test_pas_policy_builtin_names_map_to_kiln_strategies():
+    assert _strategy(pas_policy="autodist") == ("auto", (1, 1))
+    assert _strategy(pas_policy="dp") == ("ddp", (1, 1))
+    assert _strategy(pas_policy="data") == ("ddp", (1, 1))
+    assert _strategy(pas_policy="dp", use_zero=True) == ("zero1", (1, 1))
+    assert _strategy(pas_policy="tp", plan_ngpus=2) == ("hybrid", (2, 1))  # tensor parallel over plan_ngpus
+    assert _strategy(pas_policy="tp") == ("ddp", (1, 1))  # one GPU per replica: nothing to split
+    assert _strategy(pas_policy="hybrid", tp=2) == ("hybrid", (2, 1))
+    assert _strategy(pas_policy="tp", strategy="fsdp", plan_ngpus=2)[0] == "fsdp"  # the strategy field wins
+
+
+@pytest.mark.parametrize(("policy", "cc", "path", "text"), [
+    ("pp", {"plan_ngpus": 2}, "pas_policy", "compute_config.pp N and compute_config.strategy_options.split_points"),
+    ("hybrid", {"plan_ngpus": 2}, "pas_policy", "set compute_config.tp and compute_config.pp"),
+    ("dp", {"plan_ngpus": 2}, "compute_config.plan_ngpus", "use pas_policy 'tp'"),
+    ("mypkg.my_policy", {}, "pas_policy", "kiln does not run policy functions: set compute_config.strategy"),
+    ("autodst", {}, "pas_policy", "(did you mean 'autodist'?)"),
+])
+def test_pas_policy_refusals_say_what_to_write(policy, cc, path, text):
+    with pytest.raises(ConfigError) as info:
+        _strategy(pas_policy=policy, **cc)
+    assert info.value.path == path and text in str(info.value) and str(info.value).startswith(path)

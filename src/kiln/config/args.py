@@ -35,11 +35,13 @@ from kiln.config.components import (
     OptimizerConfig,
     check_count,
 )
+from kiln.config.build import TYPE_KEY, VALUE_KEY, VALUE_TYPE_KEY, build_value
 from kiln.config.compute import ComputeConfig
 from kiln.config.overrides import (
     ConfigError,
     apply_overrides,
     format_error,
+    get_path,
     guess_value,
     load_yaml,
     parse_overrides,
@@ -62,7 +64,7 @@ class TrainerArgs:
         compute_config: strategy, mesh and world size (kiln's and nnScaler's compute config).
         gen_savedir: nnScaler's folder of generated code; accepted, kiln generates no code.
         gen_reuse: nnScaler's reuse of generated code; accepted, no effect in kiln.
-        pas_policy: nnScaler's parallel policy when compute_config.strategy is null: autodist (= auto), dp, hybrid.
+        pas_policy: nnScaler's built-in policy when compute_config.strategy is null: autodist (= auto), dp and data (= ddp), tp (= hybrid over plan_ngpus), hybrid; pp is refused with what to write instead.
         broadcast_strategy: nnScaler's broadcast of generated files; accepted, no effect in kiln.
         instance_name: the run's name (used by loggers and checkpoints).
         run_mode: 'run' trains; 'compile' builds everything (model, strategy, data), prints a summary and stops.
@@ -229,12 +231,31 @@ class TrainerArgs:
 
 
 # -- files and command lines ------------------------------------------------------------------
+def _is_flag(key: str, cfg: Mapping[str, Any] | None) -> bool:
+    """Whether ``key`` is a ``bool`` field, which nnScaler lets the command line give bare."""
+    annotation = annotation_at(TrainerArgs, key, cfg)
+    arms = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) else [annotation]
+    return annotation is not None and arms == [bool]
+
+
 def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -> list[tuple[str, Any, bool]]:
     """``--a.b value`` overrides with values converted by field type: a ``str`` field keeps the raw
-    text (``--checkpoint.save_dir 001``), anything else is guessed with ``ast.literal_eval``."""
+    text (``--checkpoint.save_dir 001``), anything else is guessed with ``ast.literal_eval``.
+
+    As in nnScaler, the ``value`` of a ``__value_type`` dict is never guessed (``--x.__value_type str
+    --x.value 1e3`` builds ``'1e3'``), and a bare boolean field (``--enable_progress_bar``) is true.
+    """
+    parsed = parse_overrides(argv, guess=False, flag=lambda key: _is_flag(key, cfg))
+    suffix = "." + VALUE_TYPE_KEY
+    value_typed = {key[: -len(suffix)] for key, _, delete in parsed if not delete and key.endswith(suffix)}
     out = []
-    for key, raw, delete in parse_overrides(argv, guess=False):
-        if not delete:
+    for key, raw, delete in parsed:
+        if not delete and isinstance(raw, str):
+            parent, _, last = key.rpartition(".")
+            if last == VALUE_KEY and parent and (parent in value_typed or isinstance(
+                    get_path(cfg or {}, parent, None), Mapping) and VALUE_TYPE_KEY in get_path(cfg or {}, parent)):
+                out.append((key, raw, delete))  # converted by value_type(raw) when built: no guessing first
+                continue
             annotation = annotation_at(TrainerArgs, key, cfg)
             if annotation is not None and is_text_type(annotation):
                 optional = type(None) in typing.get_args(annotation)
@@ -243,6 +264,37 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
                 raw = guess_value(raw)
         out.append((key, raw, delete))
     return out
+
+
+def _build_typed_fields(cfg: dict[str, Any], cls: type = None, path: str = "") -> None:
+    """Build, in place, a ``__type``/``__value_type`` dict given for a field that is not itself a
+    mapping (nnScaler: ``instance_name: {__type: mypkg.make_name, ...}`` calls the function while the
+    config is read). Component ``args`` dicts are left for the builder."""
+    cls = cls or TrainerArgs
+    hints = typing.get_type_hints(cls)
+    for name, value in list(cfg.items()):
+        annotation = hints.get(name)
+        if annotation is None or not isinstance(value, dict):
+            continue
+        where = f"{path}.{name}" if path else name
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        classes = [a for a in arms if dataclasses.is_dataclass(a)]
+        if classes:
+            if len(classes) == 1 and TYPE_KEY not in value and VALUE_TYPE_KEY not in value:
+                _build_typed_fields(value, classes[0], where)
+            continue
+        if (TYPE_KEY in value or VALUE_TYPE_KEY in value) and not any(
+                a is Any or a is dict or typing.get_origin(a) is dict for a in arms):
+            cfg[name] = build_value(value, where)
+
+
+def _check_vars(cfg: dict[str, Any]) -> None:
+    """nnScaler's top-level ``vars:`` holds values for ``$(vars.x)`` references only: it is no
+    field, and goes once the references are resolved. It must be a mapping."""
+    variables = cfg.get("vars")
+    if variables is not None and not isinstance(variables, Mapping):
+        raise ConfigError(format_error("vars", variables, "a mapping of names to values, referenced as $(vars.name)"),
+                          path="vars")
 
 
 def _add_missing_lists(cfg: dict[str, Any], key: str) -> None:
@@ -305,7 +357,10 @@ def load_trainer_args(path: str | os.PathLike | Mapping[str, Any] | None, overri
         if not delete:
             _add_missing_lists(cfg, key)
     cfg = apply_overrides(cfg, typed)
+    _check_vars(cfg)
     cfg = resolve_references(cfg)
+    cfg.pop("vars", None)
+    _build_typed_fields(cfg)
     args = TrainerArgs.from_dict(cfg).resolve(world_size or _default_world_size(cfg))
     if check:
         from kiln.config.preflight import check_components

@@ -11,7 +11,13 @@ from kiln.config.types import check_fields
 
 __all__ = ["PAS_POLICIES", "ComputeConfig"]
 
-PAS_POLICIES = {"autodist": "auto", "dp": "ddp", "data": "ddp", "hybrid": "hybrid"}
+# nnScaler's built-in policies (nnscaler.policies.pas_<name>) and the kiln strategy each becomes.
+PAS_POLICIES = {"autodist": "auto", "dp": "ddp", "data": "ddp", "tp": "hybrid", "hybrid": "hybrid"}
+# Built-in policies kiln cannot mean without more from the user: what to write instead.
+_PAS_INSTEAD = {
+    "pp": "nnScaler splits the model into stages itself; kiln needs the stage boundaries: set compute_config.strategy "
+          "'hybrid' with compute_config.pp N and compute_config.strategy_options.split_points [module names]",
+}
 
 
 @dataclass(kw_only=True)
@@ -71,6 +77,38 @@ class ComputeConfig:
         if self.inference_only:
             raise ConfigError(format_error("inference_only", True, "false: kiln train trains"), path="inference_only")
 
+    def _policy_strategy(self, pas_policy: str) -> str:
+        """The kiln strategy for nnScaler's built-in ``pas_policy`` (compute_config.strategy unset)."""
+        known = ", ".join(PAS_POLICIES)
+        if pas_policy in _PAS_INSTEAD:
+            raise ConfigError(format_error("pas_policy", pas_policy, f"one of {known}: {_PAS_INSTEAD[pas_policy]}"),
+                              path="pas_policy")
+        if pas_policy not in PAS_POLICIES:
+            match = close_match(pas_policy, [*PAS_POLICIES, *_PAS_INSTEAD])
+            hint = f" (did you mean {match!r}?)" if match and "." not in pas_policy else ""
+            raise ConfigError(format_error("pas_policy", pas_policy, f"one of nnScaler's built-in policies {known}; "
+                                           "kiln does not run policy functions: set compute_config.strategy to a "
+                                           "kiln.parallel strategy instead") + hint, path="pas_policy")
+        plan = self.plan_ngpus or 1
+        if pas_policy == "dp" and plan > 1:  # nnScaler's pas_dp refuses the same
+            raise ConfigError(format_error("compute_config.plan_ngpus", plan, "1 with pas_policy 'dp' (pure data "
+                                           "parallelism); use pas_policy 'tp' to split the model over plan_ngpus"),
+                              path="compute_config.plan_ngpus")
+        if pas_policy == "tp" and plan == 1:
+            return "ddp"  # one process per replica: nothing to split, as nnScaler's pas_tp does
+        if pas_policy == "hybrid" and plan > 1:
+            raise ConfigError(format_error("pas_policy", pas_policy, f"a policy kiln can lay out: nnScaler's hybrid "
+                                           f"policy picks its own pipeline stages over plan_ngpus={plan}; set "
+                                           "compute_config.tp and compute_config.pp (with strategy_options."
+                                           "split_points when pp > 1), or pas_policy 'tp'"), path="pas_policy")
+        return PAS_POLICIES[pas_policy]
+
+    def mesh_degrees(self, pas_policy: str) -> tuple[int, int]:
+        """``(tp, pp)`` of the hybrid mesh: the fields, or ``pas_policy: tp``'s split over ``plan_ngpus``."""
+        if self.strategy is None and pas_policy == "tp" and self.tp == 1 and self.pp == 1 and (self.plan_ngpus or 1) > 1:
+            return self.plan_ngpus, 1
+        return self.tp, self.pp
+
     @property
     def mesh_size(self) -> int:
         """Processes per model replica: ``plan_ngpus`` if set, else ``tp * pp``."""
@@ -83,10 +121,7 @@ class ComputeConfig:
         elif self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 or self.dp_shard != -1:
             name, path, value = "hybrid", "compute_config.tp", self.tp
         else:
-            if pas_policy not in PAS_POLICIES:
-                raise ConfigError(format_error("pas_policy", pas_policy, "one of " + ", ".join(PAS_POLICIES)
-                                               + " (or set compute_config.strategy)"), path="pas_policy")
-            name, path, value = PAS_POLICIES[pas_policy], "pas_policy", pas_policy
+            name, path, value = self._policy_strategy(pas_policy), "pas_policy", pas_policy
         if self.use_zero and (name == "ddp" or (name == "auto" and world_size > 1)):
             name, path, value = "zero1", "compute_config.use_zero", True
         from kiln.parallel import strategy_names

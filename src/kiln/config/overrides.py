@@ -23,7 +23,7 @@ import copy
 import difflib
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +152,17 @@ def _parse_key(text: str, token: str) -> tuple[str, bool]:
     return key, delete
 
 
-def parse_overrides(argv: Iterable[str], *, guess: bool = True) -> list[tuple[str, Any, bool]]:
+def parse_overrides(argv: Iterable[str], *, guess: bool = True,
+                    flag: Callable[[str], bool] | None = None) -> list[tuple[str, Any, bool]]:
     """Parse ``--a.b.c value``, ``--a.b.c=value`` and ``--a.b.c!`` into ``(key, value, delete)``.
 
     Args:
         argv: the override tokens (the CLI removes its own options first).
         guess: guess value types with ``guess_value``; ``False`` keeps raw strings, for a caller
             that knows each field's type and converts itself (``"1e3"`` for a ``str`` field).
+        flag: ``flag(key)`` says whether ``key`` is a boolean field; such a key given bare
+            (``--enable_progress_bar`` followed by another option or the end) means ``True``, as
+            in nnScaler. Any other bare key is an error.
     """
     overrides: list[tuple[str, Any, bool]] = []
     pending: tuple[str, str] | None = None  # (key, token) still waiting for its value
@@ -168,10 +172,16 @@ def parse_overrides(argv: Iterable[str], *, guess: bool = True) -> list[tuple[st
             f"{key}: no value given for {token!r}, expected {token} VALUE, {token}=VALUE "
             f"or {token}! to delete the key", path=key)
 
+    def bare(key: str, token: str) -> None:
+        if flag is None or not flag(key):
+            raise missing_value(key, token)
+        overrides.append((key, True, False))
+
     for token in argv:
         if token.startswith("--"):
             if pending is not None:
-                raise missing_value(*pending)
+                bare(*pending)
+                pending = None
             name, has_value, raw = token[2:].partition("=")
             key, delete = _parse_key(name, token)
             if delete and has_value:
@@ -191,7 +201,7 @@ def parse_overrides(argv: Iterable[str], *, guess: bool = True) -> list[tuple[st
                 f"unexpected argument {token!r}, expected --dotted.key VALUE "
                 "(a value must follow its --key)", path="")
     if pending is not None:
-        raise missing_value(*pending)
+        bare(*pending)
     return overrides
 
 

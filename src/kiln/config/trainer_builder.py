@@ -212,7 +212,8 @@ def _strategy(args: TrainerArgs, ctx: Any) -> Any:
     name = cc.strategy_name(args.pas_policy, ctx.world_size)
     options = dict(cc.strategy_options)
     if name == "hybrid":
-        options = {"dp_replicate": cc.dp_replicate, "dp_shard": cc.dp_shard, "tp": cc.tp, "pp": cc.pp, **options}
+        tp, pp = cc.mesh_degrees(args.pas_policy)
+        options = {"dp_replicate": cc.dp_replicate, "dp_shard": cc.dp_shard, "tp": tp, "pp": pp, **options}
     return get_strategy(name, ctx, **options) if options else name
 
 
