@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.core.time import Time, TimeUnit, _round_down, resolve_fraction
-from kiln.optim.lr_scheduler import ComposerLRScheduler, compile_composer_scheduler
+from kiln.optim.lr_scheduler import ComposerLRScheduler, compile_composer_scheduler, scale_torch_scheduler
 
 __all__ = [
     "ComposerScheduler",
@@ -45,6 +45,7 @@ __all__ = [
     "PolynomialWithWarmupScheduler",
     "compile_composer_scheduler",
     "ComposerLRScheduler",
+    "scale_torch_scheduler",
 ]
 
 TimeLike = Time | str
