@@ -234,7 +234,7 @@ class TrainerArgs:
 def _is_flag(key: str, cfg: Mapping[str, Any] | None) -> bool:
     """Whether ``key`` is a ``bool`` field, which nnScaler lets the command line give bare."""
     annotation = annotation_at(TrainerArgs, key, cfg)
-    arms = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) else [annotation]
+    arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     return annotation is not None and arms == [bool]
 
 

@@ -105,7 +105,7 @@ class ComputeConfig:
 
     def mesh_degrees(self, pas_policy: str) -> tuple[int, int]:
         """``(tp, pp)`` of the hybrid mesh: the fields, or ``pas_policy: tp``'s split over ``plan_ngpus``."""
-        if self.strategy is None and pas_policy == "tp" and self.tp == 1 and self.pp == 1 and (self.plan_ngpus or 1) > 1:
+        if self.strategy is None and pas_policy == "tp" and self.tp == self.pp == 1 and (self.plan_ngpus or 1) > 1:
             return self.plan_ngpus, 1
         return self.tp, self.pp
 

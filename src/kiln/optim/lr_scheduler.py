@@ -145,7 +145,8 @@ def scale_torch_scheduler(scheduler: LRScheduler, ssr: float) -> None:
     elif isinstance(scheduler, ComposerLRScheduler):
         if scheduler.ssr not in (1.0, ssr):
             raise ValueError(f"scale_schedule_ratio={ssr:g}, but this compiled scheduler was built with ssr="
-                             f"{scheduler.ssr:g}; pass the scheduler itself (not compiled) and let the Trainer scale it")
+                             f"{scheduler.ssr:g}; pass the scheduler itself (not compiled) and let the Trainer "
+                             "scale it")
         if isinstance(scheduler._schedule, _StateOnly):
             raise ValueError(f"scheduler {scheduler._schedule.schedule!r} takes only (state), so it cannot follow "
                              f"scale_schedule_ratio={ssr:g}; give it a second argument, f(state, ssr)")
