@@ -113,7 +113,9 @@ class Engine:
             raise RuntimeError("this Engine has no criterion; pass criterion= to kiln.initialize")
         if self._move:
             args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
-        if self._pipeline is not None:  # the loss is computed on the last stage inside backward()
+        if self._pipeline is not None and self.model.training and torch.is_grad_enabled():
+            # the loss is computed on the last stage inside backward(); an eval forward returned
+            # the real outputs, so its loss is computed below like any other
             return self._pipeline.defer_loss(self._criterion, *args, **kwargs)
         if self._autocast:
             with self.precision.autocast(self.device):

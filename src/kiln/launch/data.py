@@ -170,8 +170,11 @@ class ShardSampler(Sampler[int]):
     """Evaluation sharding without padding: rank r takes samples r, r+W, r+2W, ...
 
     torch's DistributedSampler pads the last shard with repeated samples, which would count them
-    twice in a metric; uneven shards are fine for evaluation because metric states are summed
-    across ranks only once, in ``compute()``.
+    twice in a metric. Shards here differ by at most one sample, so ranks may read different
+    numbers of batches; under strategies whose forward is a collective (FSDP, tensor, pipeline)
+    the Trainer's evaluation and prediction then run padding forwards on the shorter shards, whose
+    outputs count nowhere (see :mod:`kiln.trainer.evaluation`). Sample ``i`` of the dataset is
+    row ``i // W`` of rank ``i % W``'s shard, which is how gathered predictions regain dataset order.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
@@ -181,7 +184,11 @@ class ShardSampler(Sampler[int]):
         return iter(range(self.rank, len(self.dataset), self.num_replicas))
 
     def __len__(self) -> int:
-        return len(range(self.rank, len(self.dataset), self.num_replicas))
+        return self.shard_length(self.rank)
+
+    def shard_length(self, rank: int) -> int:
+        """Samples in ``rank``'s shard; rank 0's is the longest. Known on every rank without communication."""
+        return len(range(rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
 
     @classmethod
     def wrap(cls, loader: Any, num_replicas: int | None = None, rank: int | None = None) -> Any:

@@ -25,7 +25,7 @@ from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
 from kiln.trainer.batching import num_samples, num_tokens, split_batch
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
-from kiln.trainer.evaluation import evaluate
+from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
 from kiln.trainer.options import TrainerOptions, resolve_duration
 from kiln.trainer.progress import ProgressBar
@@ -453,18 +453,13 @@ class Trainer:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
         return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)
 
-    @torch.no_grad()
-    def predict(self, dataloader: Iterable) -> list[Any]:
-        """Model outputs for every batch of ``dataloader`` (eval mode, no gradients)."""
-        was_training = self.engine.model.training
-        self.engine.eval()
-        outputs = []
-        for batch in dataloader:
-            batch = self.to_device(batch)
-            out = self.forward(batch)
-            outputs.append(self.state.model.eval_forward(batch, out) if self._is_kiln_model else out)
-        self.engine.train(was_training)
-        return outputs
+    def predict(self, dataloader: Iterable, gather: bool = False) -> list[Any] | None:
+        """Model outputs for ``dataloader`` (eval mode, no gradients), sharded over the data-parallel
+        ranks like evaluation. ``gather=False``: this rank's outputs, batch by batch. ``gather=True``:
+        rank 0 gets all of them in dataset order, batched as one process would batch them (on the
+        CPU when there are several ranks); the other ranks get ``None``. See :func:`kiln.trainer.evaluation.predict`."""
+        loader = ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
+        return predict(self, loader, gather)
 
     def save_checkpoint(self, folder: str | os.PathLike | None = None) -> str:
         """Write a checkpoint now; returns its path."""
