@@ -58,6 +58,9 @@ def _check_case(launch, case):
         assert set(r["eval"]) == {"eval/loss", "eval/Accuracy"}, r["eval"]
         assert r["eval"]["eval/loss"] == pytest.approx(r["ref"]["eval/loss"], abs=1e-12), (case, rank)
         assert r["eval"]["eval/Accuracy"] == r["ref"]["eval/Accuracy"], (case, rank)
+        # one sample: a data-parallel rank with an empty shard still joins every forward
+        assert r["tiny"]["eval/loss"] == pytest.approx(r["tiny_ref"]["eval/loss"], abs=1e-12), (case, rank)
+        assert r["tiny"]["eval/Accuracy"] == r["tiny_ref"]["eval/Accuracy"], (case, rank)
         if rank == 0:  # all outputs, in dataset order, batched as one process batches them
             assert not r["predict_none"]
             assert r["predict_shapes"] == [[4, 4], [4, 4], [1, 4]], case

@@ -10,12 +10,14 @@ hanging it.
 Each rank writes OUT/rank<r>.json: {case: {"eval": trainer.eval(), "ref": the one-process numbers of
 the same weights, "predict_diff": max |gathered - one-process| (rank 0), "predict_none": whether this
 rank got None from predict(gather=True), "shard": its predict(gather=False) outputs' row count,
-"batches": how many eval batches this rank ran (events), "forwards": forward calls (module hook)}}.
+"batches": how many eval batches this rank ran (events), "forwards": forward calls (module hook),
+"tiny"/"tiny_ref": eval() and the one-process numbers on the first sample alone, "seconds"}}.
 """
 
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -42,10 +44,11 @@ CASES = {
 }
 
 
-def eval_data():
+def eval_data(num_samples=NUM_SAMPLES):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(NUM_SAMPLES, 8, generator=g, dtype=DTYPE)
-    return TensorDataset(x, torch.randint(0, 4, (NUM_SAMPLES,), generator=g))
+    y = torch.randint(0, 4, (NUM_SAMPLES,), generator=g)
+    return TensorDataset(x[:num_samples], y[:num_samples])
 
 
 class CountBatches(kiln.Callback):
@@ -56,10 +59,10 @@ class CountBatches(kiln.Callback):
         self.batches += 1
 
 
-def reference(seed):
+def reference(seed, num_samples=NUM_SAMPLES):
     """The one-process numbers for the same weights: no process group involved."""
     model = make_model(seed).eval()
-    x, y = eval_data().tensors
+    x, y = eval_data(num_samples).tensors
     with torch.no_grad():
         logits = model(x)
         batched = [model(xb) for xb in x.split(BATCH)]
@@ -86,6 +89,9 @@ def run_case(name, seed):
         result["predict_shapes"] = [list(o.shape) for o in gathered]
         result["predict_diff"] = max((g.cpu() - b).abs().max().item() for g, b in zip(gathered, batched)) \
             if len(gathered) == len(batched) else float("inf")
+    # one sample: the second data-parallel rank's shard is empty, its padding batch comes from the dataset
+    result["tiny"] = trainer.eval(DataLoader(eval_data(1), batch_size=BATCH))
+    result["tiny_ref"] = reference(seed, 1)[0]
     trainer.close()
     return result
 
@@ -97,7 +103,9 @@ def main():
                 timeout=timedelta(seconds=float(os.environ.get("KILN_TEST_PG_TIMEOUT", "60"))))
     results = {}
     for seed, name in enumerate(cases):
+        start = time.perf_counter()
         results[name] = run_case(name, seed)
+        results[name]["seconds"] = time.perf_counter() - start
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:  # what finished, should a later case fail
             json.dump(results, f)
     dist.barrier()
