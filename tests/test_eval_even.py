@@ -89,6 +89,18 @@ def test_eval_and_predict_two_ranks(two_ranks, case):
     _check_sharding(two_ranks, case, 1 if case in ("tp", "pp") else 2)
 
 
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["list", "generator"])
+def test_eval_of_loaders_kiln_does_not_shard(two_ranks, kind):
+    # each rank passes its own batches (2 and 1): with a len the count is agreed once, without one
+    # batch by batch; the metrics are still the one-process ones on every rank
+    _check_case(two_ranks, "zero3")
+    for results in two_ranks[1]:
+        r = results["zero3"]
+        assert r[kind]["eval/loss"] == pytest.approx(r["ref"]["eval/loss"], abs=1e-12)
+        assert r[kind]["eval/Accuracy"] == r["ref"]["eval/Accuracy"]
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("case", FOUR_RANKS)
 def test_eval_and_predict_hybrid_four_ranks(four_ranks, case):

@@ -11,7 +11,8 @@ Each rank writes OUT/rank<r>.json: {case: {"eval": trainer.eval(), "ref": the on
 the same weights, "predict_diff": max |gathered - one-process| (rank 0), "predict_none": whether this
 rank got None from predict(gather=True), "shard": its predict(gather=False) outputs' row count,
 "batches": how many eval batches this rank ran (events), "forwards": forward calls (module hook),
-"tiny"/"tiny_ref": eval() and the one-process numbers on the first sample alone, "seconds"}}.
+"tiny"/"tiny_ref": eval() and the one-process numbers on the first sample alone, "seconds"; zero3 also
+"list"/"generator": eval() of a list / a generator of this rank's own (uneven) batches}}.
 """
 
 import json
@@ -92,6 +93,12 @@ def run_case(name, seed):
     # one sample: the second data-parallel rank's shard is empty, its padding batch comes from the dataset
     result["tiny"] = trainer.eval(DataLoader(eval_data(1), batch_size=BATCH))
     result["tiny_ref"] = reference(seed, 1)[0]
+    if name == "zero3":  # loaders kiln does not shard: this rank's own batches, 2 on rank 0 and 1 on rank 1
+        x, y = eval_data().tensors
+        rank, world = dist.get_rank(), dist.get_world_size()
+        own = list(zip(x[rank::world].split(BATCH), y[rank::world].split(BATCH)))
+        result["list"] = trainer.eval(own)  # has a len: one all-reduce agrees on the count
+        result["generator"] = trainer.eval(b for b in own)  # no len: the ranks agree batch by batch
     trainer.close()
     return result
 
