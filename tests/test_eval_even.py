@@ -101,6 +101,14 @@ def test_eval_of_loaders_kiln_does_not_shard(two_ranks, kind):
         assert r[kind]["eval/Accuracy"] == r["ref"]["eval/Accuracy"]
 
 
+@pytest.mark.world_size(2)
+def test_predict_gathers_drop_last_shards_in_dataset_order(two_ranks):
+    # 9 samples, batch 4, drop_last: rank 0 keeps samples 0, 2, 4, 6, rank 1 keeps 1, 3, 5, 7
+    _check_case(two_ranks, "ddp")
+    diffs = two_ranks[1][0]["ddp"]["drop_last_diff"]
+    assert len(diffs) == 2 and max(diffs) < 1e-12, diffs
+
+
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize("case", FOUR_RANKS)
 def test_eval_and_predict_hybrid_four_ranks(four_ranks, case):

@@ -12,7 +12,8 @@ the same weights, "predict_diff": max |gathered - one-process| (rank 0), "predic
 rank got None from predict(gather=True), "shard": its predict(gather=False) outputs' row count,
 "batches": how many eval batches this rank ran (events), "forwards": forward calls (module hook),
 "tiny"/"tiny_ref": eval() and the one-process numbers on the first sample alone, "seconds"; zero3 also
-"list"/"generator": eval() of a list / a generator of this rank's own (uneven) batches}}.
+"list"/"generator": eval() of a list / a generator of this rank's own (uneven) batches; ddp also
+"drop_last_diff": predict(gather=True) of a drop_last loader against the one-process first two batches}}.
 """
 
 import json
@@ -93,6 +94,11 @@ def run_case(name, seed):
     # one sample: the second data-parallel rank's shard is empty, its padding batch comes from the dataset
     result["tiny"] = trainer.eval(DataLoader(eval_data(1), batch_size=BATCH))
     result["tiny_ref"] = reference(seed, 1)[0]
+    if name == "ddp":  # drop_last: each shard drops its own short batch; the rest comes back in order
+        kept = trainer.predict(DataLoader(eval_data(), batch_size=BATCH, drop_last=True), gather=True)
+        if kept is not None:
+            result["drop_last_diff"] = [(k - b).abs().max().item() for k, b in zip(kept, batched)] \
+                if len(kept) == 2 else ["wrong batch count", [list(k.shape) for k in kept]]
     if name == "zero3":  # loaders kiln does not shard: this rank's own batches, 2 on rank 0 and 1 on rank 1
         x, y = eval_data().tensors
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -117,10 +117,8 @@ def even_batches(trainer: Trainer, loader: Any, limit: int | None = None) -> Ite
             yield trainer.to_device(batch), True
         return
     total = _agreed_num_batches(trainer, loader)
-    if limit is not None:
-        total = limit if total is None else min(total, limit)
     batches, first, index = iter(loader), None, 0
-    while total is None or index < total:
+    while (total is None or index < total) and (limit is None or index < limit):
         batch = next(batches, _END) if batches is not None else _END
         if batch is _END:
             batches = None
@@ -136,8 +134,6 @@ def even_batches(trainer: Trainer, loader: Any, limit: int | None = None) -> Ite
                 first = trainer.to_device(_dataset_batch(loader))
             yield first, False
         index += 1
-        if total is None and limit is not None and index >= limit:
-            return
 
 
 def _fixed_rows(trainer: Trainer, loader: Any) -> int | None:

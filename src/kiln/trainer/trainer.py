@@ -446,7 +446,10 @@ class Trainer:
 
     # -- evaluation, prediction, checkpoints ---------------------------------------------------
     def eval(self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval") -> dict[str, float]:
-        """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``."""
+        """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``.
+
+        Every rank runs the same number of forwards, padding a shorter shard with forwards whose
+        outputs count nowhere, so the values equal one process's (see :mod:`kiln.trainer.evaluation`)."""
         loader = (ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
                   if dataloader is not None else self.eval_dataloader)
         if loader is None:
