@@ -99,3 +99,34 @@ def test_dataloader_workers_resume_bit_exact(tmp_path):
     resumed_from = _crash_and_resume(tmp_path / "crash", args, 1, kills=[6])
     assert resumed_from == ["ep0-ba3"]
     _assert_resumed_exactly(tmp_path / "full", tmp_path / "crash", 24, 1, attempts=2)
+
+
+class _Augmented(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i):
+        import random
+
+        import numpy as np
+
+        return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))])
+
+
+def test_worker_seeds_depend_on_the_sample_not_the_worker():
+    # Loader workers draw each sample's augmentation from seeds of (seed, epoch, rank, position):
+    # 1 or 2 workers, and a loader that starts after 8 samples, give the same samples.
+    import kiln
+
+    def epoch(num_workers, skip=0, epoch=0):
+        loader = kiln.get_dataloader(_Augmented(), shuffle=True, seed=3, batch_size=4, num_workers=num_workers)
+        loader.sampler.set_epoch(epoch)
+        loader.sampler.skip(skip)
+        return torch.cat(list(loader))
+
+    two = epoch(2)
+    assert sorted(two[:, 0].tolist()) == list(range(24))
+    assert torch.equal(epoch(1), two)
+    assert torch.equal(epoch(2, skip=8), two[8:])
+    assert not torch.equal(epoch(2, epoch=1)[:, 1:].sort(0).values, two[:, 1:].sort(0).values)  # a new epoch, new draws
+    assert len(set(two[:, 1].tolist())) == 24  # python's RNG seeded per sample, not once per worker
