@@ -7,7 +7,8 @@ One run dies mid-epoch (resumes from the checkpoint after batch 3 of epoch 0), t
 again just after an epoch boundary (resumes from the checkpoint at the end of epoch 1), and the third
 launch finishes. Every batch each launch trained on must have the uninterrupted run's loss and
 augmented input, and the end state (model, optimizer, scheduler, timestamp, RNG states) must match.
-The same holds with ``DataLoader(num_workers=2)``, whose workers draw the augmentation.
+The same holds with ``DataLoader(num_workers=2)``, whose workers draw the augmentation (on 1 rank,
+and on 2 under zero2).
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def _assert_resumed_exactly(full, crashed, num_batches, nproc, attempts):
 
 @pytest.mark.timeout(900)  # four 2-rank launches
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_two_ranks_killed_mid_epoch_and_at_epoch_boundary_resume_bit_exact(tmp_path, strategy):
-    args = ("--strategy", strategy)
+@pytest.mark.parametrize("strategy, workers", [("ddp", "0"), ("zero2", "2")], ids=["ddp", "zero2-workers"])
+def test_two_ranks_killed_mid_epoch_and_at_epoch_boundary_resume_bit_exact(tmp_path, strategy, workers):
+    args = ("--strategy", strategy, "--workers", workers)
     check(_launch(tmp_path / "full", *args, "--tag", "run"))
     # 96 samples / (8 per batch * 2 ranks) = 6 batches per epoch; checkpoints at ba3, ba6, ba9, ...
     resumed_from = _crash_and_resume(tmp_path / "crash", args, 2, kills=[4, 13])
@@ -113,13 +114,18 @@ class _Augmented(torch.utils.data.Dataset):
         return torch.tensor([float(i), random.random(), float(np.random.rand()), float(torch.rand(()))])
 
 
+class _BatchFetched(_Augmented):
+    def __getitems__(self, indices):  # one call per batch, as datasets with fast batched reads do
+        return [self[i] for i in indices]
+
+
 def test_worker_seeds_depend_on_the_sample_not_the_worker():
     # Loader workers draw each sample's augmentation from seeds of (seed, epoch, rank, position):
     # 1 or 2 workers, and a loader that starts after 8 samples, give the same samples.
     import kiln
 
-    def epoch(num_workers, skip=0, epoch=0):
-        loader = kiln.get_dataloader(_Augmented(), shuffle=True, seed=3, batch_size=4, num_workers=num_workers)
+    def epoch(num_workers, skip=0, epoch=0, dataset=_Augmented):
+        loader = kiln.get_dataloader(dataset(), shuffle=True, seed=3, batch_size=4, num_workers=num_workers)
         loader.sampler.set_epoch(epoch)
         loader.sampler.skip(skip)
         return torch.cat(list(loader))
@@ -130,3 +136,6 @@ def test_worker_seeds_depend_on_the_sample_not_the_worker():
     assert torch.equal(epoch(2, skip=8), two[8:])
     assert not torch.equal(epoch(2, epoch=1)[:, 1:].sort(0).values, two[:, 1:].sort(0).values)  # a new epoch, new draws
     assert len(set(two[:, 1].tolist())) == 24  # python's RNG seeded per sample, not once per worker
+    batched = epoch(2, dataset=_BatchFetched)  # seeded once per batch, from its first sample's seed
+    assert torch.equal(batched[:, 0], two[:, 0]) and torch.equal(epoch(1, dataset=_BatchFetched), batched)
+    assert torch.equal(epoch(2, skip=8, dataset=_BatchFetched), batched[8:])

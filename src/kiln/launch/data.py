@@ -8,7 +8,8 @@ import struct
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler, get_worker_info
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler,
+                              get_worker_info)
 
 from kiln.launch.context import context
 
@@ -72,7 +73,8 @@ class ResumableSampler(DistributedSampler):
             return indices
         # Positions count from the epoch's start, skipped samples included, so a resumed epoch gives
         # each sample the seed it had (after a change of world size the positions are the new deal's).
-        return ((index, sample_seed(self.seed, self.epoch, self.rank, self._skip + n)) for n, index in enumerate(indices))
+        return ((index, sample_seed(self.seed, self.epoch, self.rank, self._skip + n))
+                for n, index in enumerate(indices))
 
     def _rest_of_world(self) -> list[int]:
         # The epoch's global order is the one-rank order (the seed and the epoch fix it; the world
@@ -148,9 +150,16 @@ class WorkerSeeded(Dataset):
         _seed_worker(seed)
         return self.dataset[index]
 
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None:
+            return [self[key] for key in keys]
+        _seed_worker(keys[0][1])  # a dataset that fetches a batch in one call draws for it from one seed
+        return getitems([index for index, _ in keys])
+
     def __getattr__(self, name: str) -> Any:  # the wrapped dataset's own attributes (classes, transforms)
-        if name == "dataset":
-            raise AttributeError(name)  # not set yet (unpickling): no recursion
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)  # not set yet (unpickling), or a protocol method: not the wrapped one's
         return getattr(self.dataset, name)
 
 
