@@ -116,6 +116,7 @@ class StochasticDepth(SeededAlgorithm):
         self.drop_distribution = drop_distribution
         self.drop_warmup = Time.from_input(drop_warmup, TimeUnit.EPOCH)
         self.blocks: list[nn.Module] = []
+        self._checked: list[bool] | None = None  # loaded before the blocks were patched
 
     def match(self, event: Event, state: State) -> bool:
         return event in (Event.INIT, Event.FIT_START, Event.BATCH_START)
@@ -147,6 +148,26 @@ class StochasticDepth(SeededAlgorithm):
             block._kiln_checked = False
         self.blocks = [block for _, block in chosen]
         self._set_rates(0.0 if self.drop_warmup.value > 0 else 1.0)
+        if self._checked is not None:
+            self._set_checked(self._checked)
+
+    def _set_checked(self, checked: list[bool]) -> None:
+        for block, done in zip(self.blocks, checked):
+            block._kiln_checked = bool(done)
+        self._checked = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # Which blocks ran their one shape check: that forward of a block that is being skipped
+        # draws from the global RNG (dropout) and updates buffers (batch norm), so a resumed run
+        # must not run it a second time.
+        return {**super().state_dict(), "checked": [bool(b._kiln_checked) for b in self.blocks]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "checked" in state:
+            self._checked = list(state["checked"])
+            if self.blocks:
+                self._set_checked(self._checked)
 
     def _set_rates(self, scale: float) -> None:
         count = len(self.blocks)

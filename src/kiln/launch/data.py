@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
+import random
+import struct
 from typing import Any, Iterator
 
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+import torch
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler,
+                              get_worker_info)
 
 from kiln.launch.context import context
 
-__all__ = ["ResumableSampler", "ShardSampler", "get_dataloader", "ensure_distributed_sampler", "with_resumable_sampler",
-           "skip_consumed"]
+__all__ = ["ResumableSampler", "WorkerSeeded", "ShardSampler", "get_dataloader", "ensure_distributed_sampler",
+           "with_resumable_sampler", "skip_consumed"]
 
 
 class ResumableSampler(DistributedSampler):
@@ -25,15 +30,19 @@ class ResumableSampler(DistributedSampler):
 
         sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=17)
         sampler.set_epoch(3); sampler.skip(64)    # continue epoch 3 after 64 samples
+
+    ``worker_seeds=True`` yields ``(index, seed)`` pairs for a :class:`WorkerSeeded` dataset: the
+    seed is a function of ``seed``, the epoch, the rank and the sample's position in the epoch.
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, worker_seeds: bool = False) -> None:
         ctx = context()
         super().__init__(dataset, num_replicas=ctx.world_size if num_replicas is None else num_replicas,
                          rank=ctx.rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self._skip = 0  # this rank's samples already consumed in the epoch
         self._world_skip = 0  # or: every rank's, in the epoch's global order
+        self.worker_seeds = worker_seeds
 
     def skip(self, num_samples: int) -> None:
         """Start the current epoch after ``num_samples`` of this rank's samples (cleared by set_epoch)."""
@@ -53,13 +62,19 @@ class ResumableSampler(DistributedSampler):
             self._skip = self._world_skip = 0
         super().set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
         if self._world_skip:
-            return iter(self._rest_of_world()[self.rank::self.num_replicas])
-        indices = super().__iter__()
-        if self._skip:
-            indices = iter(list(indices)[self._skip:])
-        return indices
+            indices = iter(self._rest_of_world()[self.rank::self.num_replicas])
+        else:
+            indices = super().__iter__()
+            if self._skip:
+                indices = iter(list(indices)[self._skip:])
+        if not self.worker_seeds:
+            return indices
+        # Positions count from the epoch's start, skipped samples included, so a resumed epoch gives
+        # each sample the seed it had (after a change of world size the positions are the new deal's).
+        return ((index, sample_seed(self.seed, self.epoch, self.rank, self._skip + n))
+                for n, index in enumerate(indices))
 
     def _rest_of_world(self) -> list[int]:
         # The epoch's global order is the one-rank order (the seed and the epoch fix it; the world
@@ -89,6 +104,65 @@ class ResumableSampler(DistributedSampler):
         self._world_skip = int(state.get("world_skip", 0))  # absent in checkpoints before it existed
 
 
+def sample_seed(seed: int, epoch: int, rank: int, position: int) -> int:
+    """A 63-bit seed for the sample at ``position`` of ``rank``'s share of ``epoch``."""
+    digest = hashlib.blake2b(struct.pack("<4q", seed, epoch, rank, position), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _seed_worker(seed: int) -> None:
+    if get_worker_info() is None:
+        return  # in the main process the global RNGs belong to the run (and are checkpointed)
+    random.seed(seed)
+    torch.random.default_generator.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional
+        pass
+
+
+class WorkerSeeded(Dataset):
+    """``dataset`` for DataLoader workers, seeding python's, numpy's and torch's RNGs before each sample.
+
+    torch seeds each worker once per ``iter()``, from a seed drawn in the main process, so what
+    an augmentation draws for a sample depends on which worker fetched it and on everything that
+    worker fetched before: a run resumed mid-epoch, whose workers start fresh at the resume point,
+    would draw differently. Here the seed of each sample comes with its index from a
+    ``ResumableSampler(worker_seeds=True)``, so the draws depend only on the sampler's seed, the
+    epoch, the rank and the sample's position: the same with any number of workers, and after a resume.
+
+    Example::
+
+        sampler = ResumableSampler(data, shuffle=True, seed=17, worker_seeds=True)
+        loader = DataLoader(WorkerSeeded(data), sampler=sampler, batch_size=32, num_workers=4)
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        _seed_worker(seed)
+        return self.dataset[index]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is None:
+            return [self[key] for key in keys]
+        _seed_worker(keys[0][1])  # a dataset that fetches a batch in one call draws for it from one seed
+        return getitems([index for index, _ in keys])
+
+    def __getattr__(self, name: str) -> Any:  # the wrapped dataset's own attributes (classes, transforms)
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)  # not set yet (unpickling), or a protocol method: not the wrapped one's
+        return getattr(self.dataset, name)
+
+
 def skip_consumed(sampler: Any, samples_in_epoch: int, batches_in_epoch: int, batch_size: int | None,
                   same_world: bool = True) -> None:
     """Start ``sampler`` after what was consumed of this epoch before a checkpoint.
@@ -114,14 +188,15 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
 
         train_dl = kiln.get_dataloader(train_set, shuffle=True, batch_size=128)
     """
+    keyed = num_workers > 0  # workers seeded per sample: a resume gives the same augmentation
     if add_sampler and context().world_size > 1:
-        sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
-                          num_workers=num_workers, **kwargs)
+        sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, worker_seeds=keyed)
+        return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, drop_last=drop_last,
+                          pin_memory=pin_memory, num_workers=num_workers, **kwargs)
     if shuffle:
-        sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-        return DataLoader(dataset, sampler=sampler, drop_last=drop_last, pin_memory=pin_memory,
-                          num_workers=num_workers, **kwargs)
+        sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, worker_seeds=keyed)
+        return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, drop_last=drop_last,
+                          pin_memory=pin_memory, num_workers=num_workers, **kwargs)
     return DataLoader(dataset, shuffle=False, drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 
 
@@ -152,7 +227,9 @@ def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024, num_
 def with_resumable_sampler(loader: Any, seed: int = 1024, num_replicas: int | None = None, rank: int | None = None) -> Any:
     """Return ``loader`` rebuilt with a :class:`ResumableSampler` (over ``num_replicas`` ranks,
     default the world) in place of a plain random or sequential sampler, so its order depends only
-    on seed and epoch and a resumed run can start mid-epoch. Other loaders come back unchanged."""
+    on seed and epoch and a resumed run can start mid-epoch. With loader workers, the dataset is
+    wrapped in :class:`WorkerSeeded`, so their random augmentation resumes too. Other loaders come
+    back unchanged."""
     if loader is None or not isinstance(loader, DataLoader):
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
@@ -161,9 +238,11 @@ def with_resumable_sampler(loader: Any, seed: int = 1024, num_replicas: int | No
         return loader  # a custom sampler: the user decides how data is split
     shuffle = isinstance(loader.sampler, RandomSampler)
     kwargs = _loader_kwargs(loader)
-    sampler = ResumableSampler(loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                               drop_last=loader.drop_last)
-    return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+    keyed = loader.num_workers > 0
+    dataset = loader.dataset.dataset if isinstance(loader.dataset, WorkerSeeded) else loader.dataset
+    sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                               drop_last=loader.drop_last, worker_seeds=keyed)
+    return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, **kwargs)
 
 
 class ShardSampler(Sampler[int]):
