@@ -8,9 +8,10 @@ are torch's.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
-__all__ = ["add_parser", "torchrun_args", "run"]
+__all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,6 +91,27 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit as exc:  # torchrun exits with the workers' status
         return int(exc.code or 0)
     except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
-        print(f"kiln run: {type(exc).__name__}: worker failed; see the rank's error above", file=sys.stderr)
+        print(f"kiln run: {describe_failure(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming the rank that failed first and how, from torchrun's ``ChildFailedError``."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return f"{type(exc).__name__}: {exc}"
+    # torchrun stops the surviving ranks with SIGTERM once one fails: those are not the cause
+    stopped = lambda f: f.exitcode == -signal.SIGTERM  # noqa: E731
+    first_rank, first = min(failures.items(), key=lambda item: (stopped(item[1]), item[1].timestamp, item[0]))
+    line = f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) failed first: {_how(first)}"
+    others = [f"rank {rank} ({'stopped by torchrun' if stopped(f) else _how(f)})" for rank, f in sorted(failures.items()) if rank != first_rank]
+    if others:
+        line += "; then " + ", ".join(others)
+    return line + ("; its traceback is above" if first.exitcode > 0 else "")
+
+
+def _how(failure) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    return f"exit code {failure.exitcode}"

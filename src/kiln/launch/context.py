@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from kiln.launch.config import Config, load_config
 from kiln.launch.environments import LaunchError, from_openmpi, from_slurm, from_torchrun
+from kiln.launch.teardown import register_teardown
 
 __all__ = [
     "Context",
@@ -148,6 +149,7 @@ def launch(
                 **rendezvous,
             )
         used_backend = dist.get_backend()
+        register_teardown()  # a finished rank exits 0 every time (see teardown.py)
     ctx = Context(rank, world_size, local_rank, device, cfg, used_backend)
     _set_context(ctx)
     if seed is None:
