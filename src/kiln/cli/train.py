@@ -155,18 +155,6 @@ def run_training(trainer_args: TrainerArgs) -> int:
             trainer.fit()
     finally:
         trainer.close()
-    if _under_torchrun():
-        # The run is complete and its files are closed. gloo's threads can abort the process
-        # while Python finalises after the group is torn down (SIGABRT now and then, which
-        # torchrun reports as a failed run), so a worker leaves without finalising.
-        import os
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return 0
 
 

@@ -1,0 +1,41 @@
+"""Nothing an example runs writes into the repository, and no run output is committed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from distributed import ROOT, base_env, check
+
+_SKIP = {".git", ".venv", "__pycache__", ".pytest_cache", "site", "build"}
+
+
+def _files(root):
+    out = set()
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP and not d.endswith(".egg-info")]
+        out.update(os.path.relpath(os.path.join(folder, n), root) for n in names if not n.endswith(".pyc"))
+    return out
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_no_run_output_is_tracked():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [p for p in tracked if p.split("/")[0] in ("checkpoints", "runs", "mlruns", "wandb")]
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))
+def test_example_yaml_writes_only_under_the_working_directory(tmp_path, example):
+    before = _files(ROOT)
+    env = {**base_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{base_env()['PYTHONPATH']}"}  # the yaml names examples.*
+    cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / example),
+           "--nproc-per-node", "2", "--max_train_steps", "2"]
+    check(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    assert _files(ROOT) == before, f"the run wrote into the repository: {sorted(_files(ROOT) - before)}"
+    written = _files(tmp_path)
+    assert any(p.startswith(os.path.join("runs", "")) and p.endswith("manifest.json") for p in written), written
