@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import kiln
 from kiln.algorithms import EMA, SAM, GradientClipping, LabelSmoothing, MixUp, StochasticDepth
 
+import kiln.trainer.trainer as trainer_module
+
 pytest.importorskip("sklearn")
-trainer_module = pytest.importorskip("kiln.trainer.trainer")
 
 
 def _digits() -> tuple[TensorDataset, TensorDataset]:
@@ -80,7 +81,6 @@ class StopAt(kiln.Callback):
 
 
 def test_trainer_resume_from_a_mid_epoch_checkpoint_is_bit_exact(tmp_path):
-    pytest.importorskip("kiln.checkpoint")
     train, _ = _digits()
     subset = TensorDataset(*train[:256])
 

@@ -103,7 +103,7 @@ def test_debris_is_ignored_cleaned_and_last_falls_back(saved, tmp_path):
     assert [p.name for p, _ in layout.list_checkpoints(tmp_path)] == ["ep0-ba3", "ep0-ba4"]
     os.unlink(tmp_path / "last")
     os.symlink("ep0-ba77", tmp_path / "last")  # dangling
-    with pytest.warns(UserWarning, match="most advanced complete checkpoint"):
+    with pytest.warns(UserWarning, match="most recently saved complete checkpoint"):
         assert layout.resolve_checkpoint(tmp_path, "last") == newer.resolve()
     assert layout.cleanup_temporary(tmp_path) == [half.name]
     assert layout.resolve_checkpoint(tmp_path / "none", "last", must_exist=False) is None

@@ -58,7 +58,6 @@ def test_event_order_two_epochs_with_eval_accumulation_and_checkpoints(tmp_path)
 
 
 def test_load_events_fire_when_loading(tmp_path):
-    pytest.importorskip("kiln.checkpoint")
     rec = Recorder()
     first = _trainer(max_duration="1ep", save_folder=str(tmp_path / "ck"))
     first.fit()

@@ -1,26 +1,107 @@
-"""Save checkpoints in a loop until killed, for crash-safety tests: ``ckpt_crash.py FOLDER [async]``.
+"""A fork server for the SIGKILL-while-saving test: pays python's and torch's import once, then
+forks one training process per kill, so a kill costs a fork and a few saves instead of ~2 s of imports.
 
-Prints ``saved N`` after each committed checkpoint, so the test knows saving has begun before it
-sends SIGKILL at a random moment. Retention (keep 2) runs too, so deletes are interrupted as well.
+Commands on stdin, one per line; answers on stdout, one per line::
+
+    run FOLDER sync|async fresh|resume   -> "child PID"; the child trains and saves every batch
+                                            (keep 2) into FOLDER and prints "saved NAME" after each
+                                            save call returns, or "error ..." if it fails
+    kill                                 -> SIGKILL to the child; "exit PID STATUS" once it is reaped
+                                            (STATUS -9 when the kill did it)
+    quit
+
+``resume`` loads ``FOLDER/last`` first (as ``autoresume=True`` does); ``fresh`` starts from scratch
+among the earlier runs' checkpoints (a new run pointed at an old folder). Before forking nothing
+here leaves a thread running (checked) and torch runs one intra-op thread, so the child is a clean
+process. The child is killed only by the server, which reaps it only after the kill: its pid cannot be reused first.
 """
 
+import os
+import signal
 import sys
+import traceback
 
 import torch
 
 import kiln
-from kiln.checkpoint import CheckpointSaver
+from kiln.checkpoint import CheckpointSaver, load_checkpoint
+from kiln.checkpoint.layout import checkpoint_name, resolve_checkpoint
 from workers.ckpt_common import build_state
 
-folder, save_async = sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "async"
-saver = CheckpointSaver(folder, interval="1ba", num_checkpoints_to_keep=2, save_async=save_async)
-state = build_state(callbacks=[saver], width=512)  # a few MB per checkpoint: saving takes a while
-saver.run_event(kiln.Event.FIT_START, state, None)
-x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-while True:
+KEEP = 2
+WIDTH = 512
+
+
+def step(state) -> None:
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     state.engine.zero_grad()
     state.engine.backward(state.engine.criterion(state.engine(x), y))
     state.engine.optimizer_step()
     state.timestamp.advance_batch(8)
-    saver.run_event(kiln.Event.BATCH_CHECKPOINT, state, None)
-    print(f"saved {state.timestamp.batch.value}", flush=True)
+
+
+def child(folder: str, mode: str, start: str) -> None:
+    saver = CheckpointSaver(folder, interval="1ba", num_checkpoints_to_keep=KEEP, save_async=mode == "async")
+    state = build_state(callbacks=[saver], width=WIDTH)
+    last = resolve_checkpoint(folder, "last", must_exist=False) if start == "resume" else None
+    if last is not None:
+        load_checkpoint(last, state)
+    saver.run_event(kiln.Event.FIT_START, state, None)
+    while True:
+        step(state)
+        saver.run_event(kiln.Event.BATCH_CHECKPOINT, state, None)
+        print(f"saved {checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)}", flush=True)
+
+
+def warm_up() -> None:
+    """Save and load once in a scratch folder: the modules a save imports on first use (torch's
+    dynamo, via the optimizer, alone takes ~0.5 s) are then imported once, here, not in each child."""
+    import shutil
+    import tempfile
+    import threading
+
+    folder = tempfile.mkdtemp(prefix="kiln-crash-warm-up-")
+    try:
+        saver = CheckpointSaver(folder, interval="1ba")
+        state = build_state(callbacks=[saver], width=WIDTH)
+        saver.run_event(kiln.Event.FIT_START, state, None)
+        step(state)
+        saver.save(state)
+        load_checkpoint(folder + "/last", build_state(width=WIDTH))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    # fork() copies only the calling thread: a thread alive now would be missing in every child
+    assert threading.active_count() == 1, f"threads alive before forking: {threading.enumerate()}"
+
+
+def serve() -> None:
+    torch.set_num_threads(1)
+    warm_up()
+    print("ready", flush=True)
+    pid = None
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "run":
+            sys.stdout.flush()  # a child must not inherit (and print again) buffered output
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    child(*args)
+                except BaseException:
+                    print(f"error {traceback.format_exc(limit=-3)!r}", flush=True)
+                    traceback.print_exc()
+                finally:
+                    os._exit(1)
+            print(f"child {pid}", flush=True)
+        elif command == "kill":
+            os.kill(pid, signal.SIGKILL)  # a child that already died is a zombie until reaped: same pid
+            _, status = os.waitpid(pid, 0)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            print(f"exit {pid} {code}", flush=True)
+            pid = None
+        elif command == "quit":
+            return
+
+
+if __name__ == "__main__":
+    serve()

