@@ -1,0 +1,141 @@
+"""CUDA paths: NCCL collectives on the right device, autocast precisions, FSDP2 mixed precision, compile.
+
+The Trainer and hook tests run in this process on a one-rank group: NCCL on cuda:0 where CUDA is
+there (one GPU is enough, and NCCL refuses a tensor on the wrong device, "No backend type
+associated with device type cpu", which gloo silently accepts, so a collective kiln issues on a CPU
+tensor fails there), gloo on the CPU elsewhere, which checks the same runs end to end. The Engine
+precision and compile tests are marked ``gpu`` and need CUDA (CI has none).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import kiln
+
+CUDA = torch.cuda.is_available()
+needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank process group that kiln.context() describes: nccl on cuda:0, else gloo on the CPU."""
+    from kiln.launch.context import _set_context
+
+    backend, device = ("nccl", torch.device("cuda", 0)) if CUDA else ("gloo", torch.device("cpu"))
+    if CUDA:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if CUDA else None)
+    _set_context(None)
+    ctx = kiln.context()
+    assert ctx.backend == backend and ctx.device == device
+    yield ctx
+    dist.destroy_process_group()
+    _set_context(None)
+
+
+def _data(n=96, dim=16, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    return TensorDataset(x, (x[:, :classes].argmax(1)))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+class Net(kiln.Model):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, batch):
+        return self.net(batch[0])
+
+    def loss(self, outputs, batch):
+        return nn.functional.cross_entropy(outputs, batch[1])
+
+    def get_metrics(self, is_train=False):
+        return {"Accuracy": kiln.metrics.Accuracy()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_trainer_fit_eval_predict_on_one_rank_group(one_rank_group, strategy, precision):
+    # fit + eval + predict issue every collective the Trainer has (loss averaging, the metric sync,
+    # the even-forward count, predict's gather) on NCCL
+    model = Net()
+    loader = DataLoader(_data(), batch_size=16)
+    trainer = kiln.Trainer(model, train_dataloader=loader, eval_dataloader=DataLoader(_data(seed=1), batch_size=16),
+                           max_duration="3ep", optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
+                           strategy=strategy, precision=precision, progress_bar=False,
+                           callbacks=[kiln.callbacks.NaNMonitor(), kiln.callbacks.SpeedMonitor(window_size=2)])
+    trainer.fit()
+    metrics = trainer.eval()
+    assert math.isfinite(metrics["eval/loss"]) and 0.0 <= metrics["eval/Accuracy"] <= 1.0
+    assert next(trainer.state.model.parameters()).device.type == one_rank_group.device.type
+    outputs = trainer.predict(DataLoader(_data(n=20, seed=2), batch_size=8), gather=True)
+    assert sum(o.shape[0] for o in outputs) == 20
+
+
+def test_colossal_hooks_on_one_rank_group(one_rank_group):
+    from kiln import hooks
+
+    model, criterion = _model(), nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, train_dl, test_dl, _ = kiln.initialize(model, optimizer, criterion, DataLoader(_data(), batch_size=16),
+                                                   DataLoader(_data(seed=1), batch_size=32),
+                                                   config=dict(fp16=dict(mode=kiln.AMP_TYPE.TORCH)))
+    trainer = kiln.Trainer(engine=engine, logger=kiln.get_dist_logger())
+    accuracy = kiln.metrics.Accuracy()
+    trainer.fit(train_dataloader=train_dl, epochs=2, test_dataloader=test_dl, test_interval=1,
+                hooks=[hooks.LossHook(), hooks.AccuracyHook(accuracy_func=accuracy),
+                       hooks.ThroughputHook(), hooks.LogMetricByEpochHook(kiln.get_dist_logger())],
+                display_progress=False)
+    value = trainer.states["metrics"]["test"]["Accuracy"].get_accumulated_value()
+    assert 0.0 <= float(value) <= 1.0
+
+
+@pytest.mark.parametrize("precision", ["amp_fp16", "amp_bf16", "bf16"])
+@needs_cuda[0]
+@needs_cuda[1]
+def test_engine_precisions_train_on_cuda(precision):
+    model = _model()
+    engine = kiln.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(),
+                         precision=precision, clip_grad_norm=1.0)
+    x, y = _data().tensors
+    x, y = x.cuda(), y.cuda()
+    losses = []
+    for _ in range(30):
+        engine.zero_grad()
+        loss = engine.criterion(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.7 * losses[0], losses
+
+
+@needs_cuda[0]
+@needs_cuda[1]
+def test_user_compiled_model_under_the_engine_matches_eager():
+    # Trainer(compile=...) is a later lever; a model the user compiled must already train the same
+    def run(compile_):
+        model = _model().cuda()
+        engine = kiln.Engine(torch.compile(model) if compile_ else model,
+                             torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+        x, y = _data().tensors
+        for _ in range(5):
+            engine.zero_grad()
+            engine.backward(engine.criterion(engine(x.cuda()), y.cuda()))
+            engine.step()
+        return torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+
+    assert torch.allclose(run(True), run(False), atol=1e-5)
