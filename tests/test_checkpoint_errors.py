@@ -3,8 +3,6 @@ one clear error naming the file, never a traceback from deep inside torch."""
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
 
 import pytest
@@ -14,23 +12,7 @@ import kiln
 from kiln.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from kiln.checkpoint import layout
 from workers.ckpt_common import build_state, train
-
-
-class Evil:
-    """Unpickling this runs a shell command: what a malicious checkpoint would do."""
-
-    def __init__(self, sentinel):
-        self.sentinel = sentinel
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.sentinel}",))
-
-
-def _rehash(path):
-    """An attacker rewrites the manifest too, so only the refusal to run code protects the user."""
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"] = layout.hash_files(path, layout.list_files(path))
-    (path / "manifest.json").write_text(json.dumps(manifest))
+from workers.ckpt_tamper import Evil, rehash  # rehash: an attacker rewrites the manifest too
 
 
 @pytest.mark.parametrize("save_type, victim", [("sharded", "rank0.pt"), ("sharded", ".metadata"),
@@ -44,7 +26,7 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path, save_type, victim)
         (path / victim).write_bytes(pickle.dumps(Evil(sentinel)))
     else:
         torch.save({"model": Evil(sentinel)}, path / victim)
-    _rehash(path)
+    rehash(path)
     for attempt in (lambda: load_checkpoint(path, build_state(seed=1)), lambda: verify_checkpoint(path)):
         with pytest.raises(CheckpointError, match="run code") as err:
             attempt()
@@ -96,7 +78,7 @@ def test_not_a_checkpoint_and_a_garbled_file(tmp_path):
     train(state, 1)
     path = save_checkpoint(tmp_path / "run", state, "merged")
     (path / "checkpoint.pt").write_bytes(b"\x00garbage" * 10)
-    _rehash(path)
+    rehash(path)
     with pytest.raises(CheckpointError, match="truncated or damaged") as err:
         load_checkpoint(path, build_state(seed=1), verify=False)
     assert err.value.path.endswith("checkpoint.pt")

@@ -93,6 +93,25 @@ def test_retention_never_deletes_last_or_best(tmp_path):
     assert layout.apply_retention(tmp_path, keep=-1) == []
 
 
+def test_retention_after_a_restart_keeps_the_new_runs_checkpoints(tmp_path):
+    """A run started again from scratch (or from an earlier checkpoint) in an old run's folder saves
+    checkpoints of less progress than the old run's; they are the newer ones, and retention keeps them."""
+    def save(state):
+        train(state, 1)
+        save_checkpoint(tmp_path, state)
+        layout.apply_retention(tmp_path, keep=2)
+        return sorted(p.name for p, _ in layout.list_checkpoints(tmp_path))
+
+    old = build_state()
+    assert [save(old) for _ in range(4)][-1] == ["ep0-ba3", "ep0-ba4"]
+    new = build_state(seed=1)
+    assert save(new) == ["ep0-ba1", "ep0-ba4"]  # ep0-ba3 was the oldest save; ep0-ba1 (`last`) the newest
+    assert save(new) == ["ep0-ba1", "ep0-ba2"]  # the old run's checkpoints are gone, not the new run's
+    os.unlink(tmp_path / "last")
+    with pytest.warns(UserWarning, match="most recently saved complete checkpoint"):
+        assert layout.resolve_checkpoint(tmp_path, "last") == (tmp_path / "ep0-ba2").resolve()
+
+
 def test_debris_is_ignored_cleaned_and_last_falls_back(saved, tmp_path):
     path, state = saved
     train(state, 1)

@@ -40,14 +40,14 @@ def step(state) -> None:
     state.timestamp.advance_batch(8)
 
 
-def child(folder: str, mode: str, start: str) -> None:
+def child(folder: str, mode: str, start: str, server: int) -> None:
     saver = CheckpointSaver(folder, interval="1ba", num_checkpoints_to_keep=KEEP, save_async=mode == "async")
     state = build_state(callbacks=[saver], width=WIDTH)
     last = resolve_checkpoint(folder, "last", must_exist=False) if start == "resume" else None
     if last is not None:
         load_checkpoint(last, state)
     saver.run_event(kiln.Event.FIT_START, state, None)
-    while True:
+    while os.getppid() == server:  # a child whose server died (a failed test killed it) stops too
         step(state)
         saver.run_event(kiln.Event.BATCH_CHECKPOINT, state, None)
         print(f"saved {checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)}", flush=True)
@@ -83,10 +83,11 @@ def serve() -> None:
         command, *args = line.split()
         if command == "run":
             sys.stdout.flush()  # a child must not inherit (and print again) buffered output
+            server = os.getpid()
             pid = os.fork()
             if pid == 0:
                 try:
-                    child(*args)
+                    child(*args, server)
                 except BaseException:
                     print(f"error {traceback.format_exc(limit=-3)!r}", flush=True)
                     traceback.print_exc()

@@ -28,8 +28,9 @@ import torch
 
 from kiln.checkpoint import collectives, layout
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.formats import SAVE_TYPES, check_save_type, read_checkpoint_files, write_checkpoint_files
-from kiln.checkpoint.serialization import read_dcp_metadata, safe_torch_load
+from kiln.checkpoint.formats import (MERGED_FILE, SAVE_TYPES, check_save_type, read_checkpoint_files, read_merged,
+                                     read_merged_file, read_training_state, write_checkpoint_files)
+from kiln.checkpoint.serialization import check_dcp_bytes, read_dcp_metadata
 from kiln.checkpoint.state import run_config
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
@@ -148,7 +149,9 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
     """Load a checkpoint into ``state`` for an exact resume; every rank must call it. Returns its manifest.
 
     Args:
-        path: a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), or a save folder.
+        path: a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), a save folder, or a
+            ``.pt``/``.pth`` file from ``kiln checkpoint merge`` (no manifest checksums: only its
+            structure is checked).
         state: the kiln ``State`` to restore (model, optimizer, schedulers, scaler, timestamp, RNG,
             sampler position, callbacks, algorithms).
         folder: where ``"last"``/``"best"`` live.
@@ -171,16 +174,20 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
     if isinstance(found, CheckpointError):
         raise found
     resolved = Path(found)
+    merged = None
     try:
-        manifest = layout.read_manifest(resolved)
-        if manifest.get("save_type") not in SAVE_TYPES:
-            raise CheckpointError(resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
-        layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
+        if resolved.is_file():  # every rank reads a merged file whole, as it reads a merged checkpoint.pt
+            manifest, merged = read_merged_file(resolved)
+        else:
+            manifest = layout.read_manifest(resolved)
+            if manifest.get("save_type") not in SAVE_TYPES:
+                raise CheckpointError(resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
+            layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
     except CheckpointError as exc:
         error = exc
     collectives.raise_together(error)
     try:
-        read_checkpoint_files(resolved, manifest, state, strict=strict, restore_rng=restore_rng)
+        read_checkpoint_files(resolved, manifest, state, strict=strict, restore_rng=restore_rng, merged=merged)
     except CheckpointError as exc:
         error = exc
     except Exception as exc:  # torch's own errors, from deep inside: say which checkpoint and what
@@ -190,22 +197,31 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
     return manifest
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> dict[str, Any]:
     """Check a checkpoint folder: complete, known format version, every file's size and sha256, and
-    that its pickled parts load without running code. Returns the manifest; raises CheckpointError.
+    that every pickled part (``.metadata``, each non-tensor entry of the ``.distcp`` files, the
+    ``.pt`` files) loads without running code. Returns the manifest; raises CheckpointError.
+
+    ``checksums=False`` skips the sha256 of each file (sizes are still checked): the quick check
+    ``kiln checkpoint inspect`` makes. A ``.pt``/``.pth`` file from ``kiln checkpoint merge`` has no
+    checksums; its pickle and structure are checked and its manifest returned.
 
     Example::
 
         kiln.checkpoint.verify_checkpoint("runs/a/last")   # or: kiln checkpoint verify runs/a/last
     """
     path = Path(path)
+    if path.is_file():
+        return read_merged_file(path)[0]
     manifest = layout.read_manifest(path)
-    layout.verify_files(path, manifest)
     if manifest.get("save_type") not in SAVE_TYPES:
         raise CheckpointError(path / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
-    if manifest["save_type"] != "merged":
-        read_dcp_metadata(path)
+    layout.verify_files(path, manifest, checksums=checksums)
+    if manifest["save_type"] == "merged":
+        read_merged(path / MERGED_FILE)
+    else:
+        check_dcp_bytes(path, read_dcp_metadata(path))
     for name in manifest["files"]:
-        if name.endswith(".pt"):
-            safe_torch_load(path / name, mmap=True)  # mmap: the pickle is checked, tensor bytes are not read
+        if name.endswith(".pt") and name != MERGED_FILE:
+            read_training_state(path / name)
     return manifest

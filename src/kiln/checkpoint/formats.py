@@ -8,7 +8,9 @@
              their own training state. Fewer, fuller files; same loading.
 ``merged``   one consolidated ``checkpoint.pt`` (full model, optimizer keyed by parameter name,
              every rank's training state), written by rank 0; ``torch.load(..., weights_only=True)``
-             opens it with no process group.
+             opens it with no process group. ``kiln checkpoint merge SRC DST.pt`` writes the same
+             dictionary as one file outside any folder, with the manifest inside it (``"manifest"``,
+             without the file checksums a single file cannot carry); it loads like a folder.
 
 All types also hold each rank's training state (RNG, sampler, timestamp, ...): ``rank<r>.pt`` for
 the DCP types, inside ``checkpoint.pt`` for ``merged``.
@@ -26,12 +28,14 @@ import torch
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.layout import write_durably
-from kiln.checkpoint.serialization import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata, safe_torch_load
+from kiln.checkpoint.layout import check_manifest, write_durably
+from kiln.checkpoint.serialization import (SafeFileSystemReader, SafeLoadPlanner, dcp_failure, read_dcp_metadata,
+                                           safe_torch_load)
 from kiln.checkpoint.state import (load_model_optimizer_state, model_optimizer_state, restore_training_state,
                                    serialize_training_state)
 
-__all__ = ["SAVE_TYPES", "MERGED_FILE", "training_state_file", "write_checkpoint_files", "read_checkpoint_files"]
+__all__ = ["SAVE_TYPES", "MERGED_FILE", "MERGED_SUFFIXES", "training_state_file", "write_checkpoint_files",
+           "read_checkpoint_files", "read_merged", "read_merged_file", "read_training_state"]
 
 SAVE_TYPES = ("sharded", "deduped", "merged")
 
@@ -41,6 +45,7 @@ SAVE_TYPES = ("sharded", "deduped", "merged")
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
 MERGED_FILE = "checkpoint.pt"
+MERGED_SUFFIXES = (".pt", ".pth")  # a checkpoint that is one file (kiln checkpoint merge SRC DST.pt)
 _WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
@@ -106,21 +111,63 @@ def _write_merged(folder: Path, state: Any, training_state: bytes, rank: int) ->
 
 
 # -- reading ------------------------------------------------------------------------------------
+def read_merged(file: Path) -> dict[str, Any]:
+    """A merged checkpoint's dictionary (``checkpoint.pt`` or a merged file), its structure checked."""
+    return _check_merged(file, safe_torch_load(file, mmap=True))
+
+
+def _check_merged(file: Path, merged: Any) -> dict[str, Any]:
+    if not isinstance(merged, dict) or not isinstance(merged.get("model"), dict):
+        raise CheckpointError(file, "is not a kiln merged checkpoint (no 'model' dictionary)",
+                              "pass a checkpoint written by kiln (a folder, or a file from `kiln checkpoint merge`)")
+    if not isinstance(merged.get("optimizer"), (dict, type(None))):
+        raise CheckpointError(file, f"is damaged: its 'optimizer' is a {type(merged['optimizer']).__name__}, not a dictionary")
+    ranks = merged.get("ranks")
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        raise CheckpointError(file, "is damaged: 'ranks' is not a list of each rank's training state")
+    return merged
+
+
+def read_merged_file(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(manifest, merged)`` of a checkpoint that is one ``.pt``/``.pth`` file."""
+    if file.suffix not in MERGED_SUFFIXES:
+        raise CheckpointError(file, "is a file, not a checkpoint folder",
+                              "pass the folder that holds manifest.json, or a .pt/.pth file from `kiln checkpoint merge` "
+                              "(use `kiln checkpoint inspect` to look inside)")
+    merged = safe_torch_load(file, mmap=True)
+    if not isinstance(merged, dict) or "manifest" not in merged:
+        raise CheckpointError(file, "has no 'manifest' entry, so it is not a checkpoint file written by kiln",
+                              "write one with `kiln checkpoint merge SRC DST.pt`")
+    manifest = merged["manifest"]
+    check_manifest(file, manifest)
+    _check_merged(file, merged)
+    if manifest.get("save_type") != "merged":
+        raise CheckpointError(file, f"has save_type {manifest.get('save_type')!r} in its manifest; a file is 'merged'")
+    return manifest, merged
+
+
+def read_training_state(file: Path) -> dict[str, Any]:
+    training = safe_torch_load(file)
+    if not isinstance(training, dict):
+        raise CheckpointError(file, f"is damaged: it holds a {type(training).__name__}, not a rank's training state")
+    return training
+
+
 def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, strict: bool = True,
-                          restore_rng: bool = True) -> None:
-    """Load the checkpoint folder ``path`` into ``state`` (every rank calls this)."""
+                          restore_rng: bool = True, merged: dict[str, Any] | None = None) -> None:
+    """Load the checkpoint ``path`` (a folder, or a merged file whose dictionary is ``merged``) into
+    ``state`` (every rank calls this)."""
     rank, world = collectives.rank_and_world()
     saved_world = int(manifest.get("world_size", 1))
     if manifest["save_type"] == "merged":
-        merged = safe_torch_load(path / MERGED_FILE, mmap=True)
-        if not isinstance(merged, dict) or "model" not in merged:
-            raise CheckpointError(path / MERGED_FILE, "is not a kiln merged checkpoint (no 'model' entry)")
+        file = path if path.is_file() else path / MERGED_FILE
+        merged = read_merged(file) if merged is None else merged
         tensors = {"model": merged["model"], "optimizer": merged.get("optimizer")}
-        target = _check_shapes(path / MERGED_FILE, _flat_shapes(tensors), state, strict, tensors["optimizer"] is not None)
-        _fill_from_full(target, tensors)
+        target = _check_shapes(file, _guarded(file, _flat_shapes, tensors), state, strict, tensors["optimizer"] is not None)
+        _guarded(file, _fill_from_full, target, tensors)
         load_model_optimizer_state(state, target, strict=strict)
-        ranks = merged.get("ranks") or []
-        training, source = (ranks[rank] if rank < len(ranks) else ranks[0]), str(path / MERGED_FILE)
+        ranks = merged["ranks"]
+        training, source = (ranks[rank] if rank < len(ranks) else ranks[0]), str(file)
     else:
         metadata = read_dcp_metadata(path)
         shapes = {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
@@ -130,13 +177,32 @@ def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, s
         load_model_optimizer_state(state, target, strict=strict)
         own = path / training_state_file(rank)
         file = own if own.exists() else path / training_state_file(0)
-        training, source = safe_torch_load(file), str(file)
+        training, source = read_training_state(file), str(file)
     same_rank = rank < saved_world and world == saved_world
     if restore_rng and not same_rank:
         warnings.warn(f"{path} was saved by {saved_world} rank(s) and is loaded by {world}; RNG states are not "
                       "restored, so the resumed run is not bit-exact", stacklevel=3)
-    restore_training_state(state, training, source, restore_rng=restore_rng and same_rank,
-                           same_world=world == saved_world)
+    _guarded(source, restore_training_state, state, training, source, restore_rng=restore_rng and same_rank,
+             same_world=world == saved_world)
+
+
+def _guarded(source: str | Path, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args)``, with any failure other than a CheckpointError reported as one naming ``source``.
+
+    A file whose bytes unpickle can still hold content that does not fit: damage that happens to
+    unpickle (a renamed key), or a run that changed since the save (a callback's ``load_state_dict``
+    refusing its old state). Either way the user needs the file's name, not a traceback.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise CheckpointError(source, f"could not be applied to this run ({type(exc).__name__}: "
+                                      f"{text[0][:300] if text else ''})",
+                              "the file is damaged, or the run differs from the one that saved it (model, "
+                              "schedulers, callbacks); load an earlier checkpoint or build the run as it was saved") from None
 
 
 def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
@@ -173,17 +239,8 @@ def _dcp_load(path: Path, target: dict[str, Any], strict: bool, world: int) -> N
              no_dist=world == 1)
     except CheckpointError:
         raise
-    except CheckpointException as exc:  # DCP wraps each rank's failure; report the first one plainly
-        failures = getattr(exc, "failures", {}) or {}
-        first = next(iter(failures.values()), exc)
-        inner = getattr(first, "args", [first])
-        if inner and isinstance(inner[0], CheckpointError):
-            raise inner[0] from None
-        raise CheckpointError(path, f"could not be read ({type(first).__name__}: {str(first).splitlines()[0][:300]})",
-                              "run `kiln checkpoint verify` on it; load an earlier checkpoint") from None
-    except (RuntimeError, ValueError, KeyError, EOFError, OSError) as exc:
-        raise CheckpointError(path, f"could not be read ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})",
-                              "run `kiln checkpoint verify` on it; load an earlier checkpoint") from None
+    except (Exception, CheckpointException) as exc:  # DCP wraps each rank's failure in a BaseException
+        raise dcp_failure(exc, path) from None
 
 
 def _flat_shapes(tensors: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

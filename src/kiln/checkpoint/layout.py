@@ -5,7 +5,8 @@
     save_folder/
       ep3-ba120/                 one checkpoint; written as ep3-ba120.tmp-<nonce>, renamed when complete
         manifest.json            written last: format version, timestamp, world size, save type,
-                                 metrics, and the sha256 and size of every other file
+                                 metrics, the sha256 and size of every other file, and the sha256
+                                 of its own content (manifest_sha256)
         ...                      the files of the save type (see kiln.checkpoint.formats)
       last -> ep3-ba120          relative symlinks (a copy where links are impossible)
       best -> ep2-ba80
@@ -31,15 +32,16 @@ from typing import Any, Iterable
 from kiln.checkpoint.errors import CheckpointError
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "LINKS", "checkpoint_name", "is_temporary", "temporary_name",
-    "sha256_file", "write_durably", "fsync_dir", "list_files", "hash_files", "write_manifest", "read_manifest",
-    "commit", "update_link", "link_target", "list_checkpoints", "find_latest", "apply_retention",
-    "remove_checkpoint", "cleanup_temporary", "verify_files", "resolve_checkpoint",
+    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "MANIFEST_CHECKSUM", "LINKS", "checkpoint_name", "is_temporary",
+    "temporary_name", "sha256_file", "write_durably", "fsync_dir", "list_files", "hash_files", "write_manifest",
+    "read_manifest", "check_manifest", "commit", "update_link", "link_target", "list_checkpoints", "find_latest",
+    "apply_retention", "remove_checkpoint", "cleanup_temporary", "verify_files", "resolve_checkpoint",
 ]
 
 FORMAT_NAME = "kiln-checkpoint"
 FORMAT_VERSION = 1  # bump when a reader of the old version could not load the new layout
 MANIFEST = "manifest.json"
+MANIFEST_CHECKSUM = "manifest_sha256"
 TMP = ".tmp-"
 LINKS = ("last", "best")
 _CHUNK = 16 << 20  # hashlib releases the GIL on large buffers, so big chunks also let training run
@@ -111,9 +113,18 @@ def hash_files(root: str | os.PathLike, names: Iterable[str]) -> dict[str, dict[
 
 # -- manifest -----------------------------------------------------------------------------------
 def write_manifest(folder: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    text = json.dumps(manifest, indent=2, sort_keys=True, default=_json_default)
-    write_durably(Path(folder) / MANIFEST, text.encode())
+    """Write ``folder/manifest.json`` with its own checksum (any earlier one is replaced)."""
+    plain = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}, default=_json_default))
+    plain[MANIFEST_CHECKSUM] = _manifest_digest(plain)
+    write_durably(Path(folder) / MANIFEST, json.dumps(plain, indent=2, sort_keys=True).encode())
     fsync_dir(folder)
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    # The manifest vouches for every other file; this vouches for the manifest. It covers the
+    # parsed content in a canonical form, so reformatting the file (spaces) changes nothing.
+    content = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _json_default(value: Any) -> Any:
@@ -142,17 +153,30 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(file, f"is not valid JSON ({exc})", "the manifest is damaged; load an earlier checkpoint") from None
+    check_manifest(file, manifest)
+    recorded = manifest.get(MANIFEST_CHECKSUM)  # absent in manifests of kiln before it was added
+    if recorded is not None and recorded != _manifest_digest(manifest):
+        raise CheckpointError(file, f"is corrupt: its content does not match its own checksum ({MANIFEST_CHECKSUM})",
+                              "the manifest was damaged or edited; copy the checkpoint again or load another")
+    if not isinstance(manifest.get("files"), dict) or not all(
+            isinstance(r, dict) for r in manifest["files"].values()):
+        raise CheckpointError(file, "lists no files (the 'files' table is missing or malformed)")
+    return manifest
+
+
+def check_manifest(source: str | os.PathLike, manifest: Any) -> None:
+    """Raise naming ``source`` unless ``manifest`` is a kiln manifest of a format version this kiln reads."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(file, f"is not a kiln checkpoint manifest (format={_get(manifest, 'format')!r})")
+        raise CheckpointError(source, f"is not a kiln checkpoint manifest (format={_get(manifest, 'format')!r})")
     version = manifest.get("format_version")
     if not isinstance(version, int) or version < 1:
-        raise CheckpointError(file, f"has an invalid format_version {version!r}")
+        raise CheckpointError(source, f"has an invalid format_version {version!r}")
     if version > FORMAT_VERSION:
-        raise CheckpointError(file, f"has format version {version}, newer than this kiln reads (up to {FORMAT_VERSION})",
+        raise CheckpointError(source, f"has format version {version}, newer than this kiln reads (up to {FORMAT_VERSION})",
                               "upgrade kiln to load it")
-    if not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(file, "lists no files (the 'files' table is missing)")
-    return manifest
+    world = manifest.get("world_size", 1)
+    if type(world) is not int or world < 1:
+        raise CheckpointError(source, f"has an invalid world_size {world!r}")
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -266,7 +290,8 @@ def _save_order_key(manifest: dict[str, Any]) -> tuple:
     # Progress only breaks ties (manifests written by hand or by tools without a time).
     ts = manifest.get("timestamp") or {}
     created = manifest.get("created_unix")
-    return (ts.get("batch", 0), ts.get("epoch", 0), ts.get("sample", 0), created)  # BROKEN on purpose
+    return (created if isinstance(created, (int, float)) else 0.0,
+            ts.get("batch", 0), ts.get("epoch", 0), ts.get("sample", 0))
 
 
 def find_latest(folder: str | os.PathLike) -> Path | None:

@@ -1,12 +1,14 @@
 """Working on checkpoint folders with no process group and no model: inspect, merge, export.
 
 These back ``kiln checkpoint inspect|merge|export``; they read sharded checkpoints whole with
-DCP's no-model planner (in its safe form) and never unpickle code.
+DCP's no-model planner (in its safe form) and never unpickle code. Each accepts a checkpoint
+folder or a merged ``.pt``/``.pth`` file.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,9 @@ import torch
 from kiln.checkpoint import layout
 from kiln.checkpoint.checkpointing import verify_checkpoint
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.formats import MERGED_FILE, _flat_shapes, training_state_file
-from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, read_dcp_metadata, safe_torch_load
+from kiln.checkpoint.formats import (MERGED_FILE, MERGED_SUFFIXES, _flat_shapes, read_merged, read_merged_file,
+                                     read_training_state, training_state_file)
+from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, dcp_failure, read_dcp_metadata
 
 __all__ = ["load_full", "inspect_checkpoint", "format_inspection", "merge_checkpoint", "export_safetensors"]
 
@@ -28,22 +31,23 @@ def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[s
     """``(manifest, {"model": ..., "optimizer": ...}, [training state of each rank])``, all full tensors on CPU."""
     # DCP's public load() only fills keys the caller's dict already has; the private loader is
     # what DCP's own dcp_to_torch_save uses to rebuild a whole state dict from the metadata.
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
     manifest = verify_checkpoint(path)
     if manifest["save_type"] == "merged":
-        merged = safe_torch_load(path / MERGED_FILE, mmap=True)
-        return manifest, {"model": merged["model"], "optimizer": merged.get("optimizer")}, list(merged.get("ranks") or [])
+        merged = read_merged_file(path)[1] if path.is_file() else read_merged(path / MERGED_FILE)
+        return manifest, {"model": merged["model"], "optimizer": merged.get("optimizer")}, list(merged["ranks"])
     tensors: dict[str, Any] = {}
     planner = SafeEmptyLoadPlanner(keys={"model"} if model_only else None)
     try:
         _load_state_dict(tensors, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=True)
     except CheckpointError:
         raise
-    except Exception as exc:
-        raise CheckpointError(path, f"could not be read ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from None
-    ranks = [safe_torch_load(path / training_state_file(r)) for r in range(int(manifest.get("world_size", 1)))
+    except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
+        raise dcp_failure(exc, path) from None
+    ranks = [read_training_state(path / training_state_file(r)) for r in range(int(manifest.get("world_size", 1)))
              if (path / training_state_file(r)).exists()] if not model_only else []
     return manifest, {"model": tensors.get("model", {}), "optimizer": tensors.get("optimizer")}, ranks
 
@@ -57,11 +61,13 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         info["num_parameters"], info["timestamp"]["batch"]
     """
     path = Path(path).resolve()
-    manifest = layout.read_manifest(path)
+    # Sizes and safe pickles, not the sha256 of every file: a quick look still refuses a file
+    # that is cut short or carries code (`kiln checkpoint verify` adds the checksums).
+    manifest = verify_checkpoint(path, checksums=False)
     shapes: dict[str, tuple[list[int], str]] = {}
     optimizer_tensors = 0
     if manifest.get("save_type") == "merged":
-        merged = safe_torch_load(path / MERGED_FILE, mmap=True)
+        merged = read_merged_file(path)[1] if path.is_file() else read_merged(path / MERGED_FILE)
         shapes = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in merged["model"].items()
                   if isinstance(v, torch.Tensor)}
         optimizer_tensors = len(_flat_shapes({"optimizer": merged.get("optimizer")}))
@@ -74,9 +80,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             elif key.startswith("optimizer."):
                 optimizer_tensors += 1
     num_parameters = sum(_numel(shape) for shape, _ in shapes.values())
-    files = manifest["files"]
-    return {**{k: v for k, v in manifest.items() if k != "files"}, "path": str(path), "num_files": len(files),
-            "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "model": shapes,
+    files = manifest.get("files") or {path.name: {"bytes": path.stat().st_size}}  # a merged file is its one file
+    return {**{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)}, "path": str(path),
+            "num_files": len(files), "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "model": shapes,
             "num_parameters": num_parameters, "optimizer_tensors": optimizer_tensors}
 
 
@@ -112,28 +118,54 @@ def format_inspection(info: dict[str, Any], max_tensors: int = 40) -> str:
 
 
 def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Turn a sharded or deduped checkpoint into a ``merged`` one at ``dst`` (written atomically).
+    """Write a checkpoint as a ``merged`` one at ``dst``: one file when ``dst`` ends in ``.pt`` or
+    ``.pth``, else a checkpoint folder. Either is written under a temporary name and renamed when
+    complete, and an existing ``dst`` is never overwritten.
+
+    The file is a dictionary ``{"model", "optimizer", "ranks", "manifest"}`` that
+    ``torch.load(dst, weights_only=True)`` opens, and that ``load_checkpoint``, ``kiln.Trainer(load_path=...)``
+    and the other ``kiln checkpoint`` commands accept. It has no per-file checksums (the folder form
+    has them in its manifest).
 
     Example::
 
-        kiln.checkpoint.merge_checkpoint("runs/a/ep3-ba120", "exports/ep3-ba120-merged")
+        kiln.checkpoint.merge_checkpoint("runs/a/ep3-ba120", "exports/ep3-ba120.pt")
     """
     manifest, tensors, ranks = load_full(src)
     dst = Path(dst)
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():
         raise CheckpointError(dst, "already exists", "choose a new destination or remove it first")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    merged = {**{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)},
+              "save_type": "merged", "merged_from": str(Path(src).resolve())}
+    content = {"model": tensors["model"], "optimizer": tensors["optimizer"], "ranks": ranks}
     tmp = dst.with_name(layout.temporary_name(dst.name))
-    tmp.mkdir()
-    with open(tmp / MERGED_FILE, "wb") as f:
-        torch.save({"model": tensors["model"], "optimizer": tensors["optimizer"], "ranks": ranks}, f)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if dst.suffix in MERGED_SUFFIXES:
+            _save_durably(tmp, {**content, "manifest": merged})
+            os.rename(tmp, dst)
+            layout.fsync_dir(dst.parent)
+            return dst
+        tmp.mkdir()
+        _save_durably(tmp / MERGED_FILE, content)
+        layout.write_manifest(tmp, {**merged, "files": layout.hash_files(tmp, layout.list_files(tmp))})
+        return layout.commit(tmp, dst)
+    except BaseException as exc:  # nothing half written stays behind, whatever stopped it
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(dst, f"could not be written ({type(exc).__name__}: {exc})",
+                                  "check free space and permissions where it goes") from None
+        raise
+
+
+def _save_durably(file: Path, obj: Any) -> None:
+    with open(file, "wb") as f:  # straight to the file: no second copy in memory
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    merged = {**{k: v for k, v in manifest.items() if k != "files"}, "save_type": "merged",
-              "merged_from": str(Path(src).resolve()),
-              "files": layout.hash_files(tmp, layout.list_files(tmp))}
-    layout.write_manifest(tmp, merged)
-    return layout.commit(tmp, dst)
 
 
 def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:

@@ -5,6 +5,9 @@ it everywhere: it reads ``.metadata`` with a bare ``pickle.load`` and non-tensor
 ``weights_only=False``, either of which runs whatever a crafted file asks for. This module closes
 both doors: a metadata unpickler that accepts only DCP's own plain record classes, and a load
 planner whose byte values go through ``weights_only=True``.
+
+It also turns every way a damaged or crafted file can fail into one :class:`CheckpointError` that
+names the file (and, inside a ``.distcp`` file, the entry): DCP's reader only says which rank failed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,12 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from kiln.checkpoint.errors import CheckpointError
 
 __all__ = ["safe_torch_load", "check_loadable", "read_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner",
-           "SafeEmptyLoadPlanner"]
+           "SafeEmptyLoadPlanner", "dcp_failure", "check_dcp_bytes"]
 
 _UNSAFE_FIX = ("kiln loads checkpoints with weights_only=True and will not run code from a file; "
                "only load checkpoints from sources you trust, and save state as plain data")
@@ -67,11 +69,77 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
                               "run `kiln checkpoint verify` on the folder; load an earlier checkpoint") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(file, f"holds a {type(metadata).__name__}, not DCP metadata")
+    _check_metadata(file, metadata)
     return metadata
 
 
+def _check_metadata(file: Path, metadata: Metadata) -> None:
+    """Raise unless the unpickled metadata is sound, so that damage fails here, naming the file,
+    rather than deep inside DCP (or as a read of the wrong bytes, blamed on a ``.distcp`` file)."""
+    def damaged(problem: str) -> CheckpointError:
+        return CheckpointError(file, f"is damaged: {problem}",
+                               "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+
+    tables = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
+    if not all(isinstance(table, dict) for table in tables):
+        raise damaged("its tables are missing or not dictionaries")
+    for key, md in tables[0].items():
+        if not isinstance(key, str) or not _sound_entry(md):
+            raise damaged(f"the record of {key!r} is malformed")
+        for chunk in getattr(md, "chunks", [None]):  # every piece must have a place in the files
+            if MetadataIndex(key, None if chunk is None else chunk.offsets) not in tables[1]:
+                raise damaged(f"{key!r} has a piece that its storage table does not place in any file")
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in tables[1].items():
+        fqn = getattr(index, "fqn", None)
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not isinstance(fqn, str) or fqn not in tables[0]:
+            raise damaged(f"storage entry {fqn!r} is not in its state dict table")
+        # A plain file name in the checkpoint folder: never a path that reads outside it.
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise damaged(f"entry {fqn} points at {name!r}, not a file of the checkpoint")
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+            raise damaged(f"entry {fqn} has an invalid offset {offset!r} or length {length!r}")
+        spans.setdefault(name, []).append((offset, offset + length, fqn))
+    # DCP writes a file's entries one after another: two that overlap (other than one entry listed
+    # twice) mean a damaged offset or length here; one that ends past the file, a truncated file.
+    for name, entries in spans.items():
+        entries.sort()
+        for (start, end, fqn), (next_start, next_end, next_fqn) in zip(entries, entries[1:]):
+            if next_start < end and (next_start, next_end) != (start, end):
+                raise damaged(f"entries {fqn} and {next_fqn} overlap in {name} (bytes {start}-{end} and "
+                              f"{next_start}-{next_end})")
+        data = file.parent / name
+        if not data.is_file():
+            raise CheckpointError(file, f"places entry {entries[0][2]} in {name}, which is not in the checkpoint folder",
+                                  "copy the whole checkpoint folder again; load an earlier checkpoint")
+        size = data.stat().st_size
+        last_end, last_fqn = max((end, fqn) for _, end, fqn in entries)
+        if last_end > size:
+            raise CheckpointError(data, f"is truncated: {size} bytes, but .metadata places entry {last_fqn} up to byte "
+                                        f"{last_end}", "copy the whole checkpoint folder again; load an earlier checkpoint")
+
+
+def _sound_entry(md: Any) -> bool:
+    """A BytesStorageMetadata, or a TensorStorageMetadata whose size, dtype and chunks are well formed."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    def shape(value: Any) -> bool:
+        return isinstance(value, torch.Size) and all(type(n) is int and n >= 0 for n in value)
+
+    if isinstance(md, BytesStorageMetadata):
+        return True
+    if not isinstance(md, TensorStorageMetadata):
+        return False
+    chunks, dtype = getattr(md, "chunks", None), getattr(getattr(md, "properties", None), "dtype", None)
+    return (shape(getattr(md, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
+            and all(shape(getattr(c, "offsets", None)) and shape(getattr(c, "sizes", None))
+                    and len(c.offsets) == len(c.sizes) == len(md.size) for c in chunks))
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the safe metadata unpickler."""
+    """DCP's file reader with the safe metadata unpickler; a failure while reading an entry (damaged
+    bytes, code in a pickle) is one CheckpointError naming the file and the entry."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self.path)
@@ -80,13 +148,98 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self._reading = sinfo  # which entry of which file is being read, for the error message
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        self._reading = None
+        try:
+            return super().read_data(plan, planner)
+        except Exception as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: Exception) -> CheckpointError:
+        sinfo = getattr(self, "_reading", None)
+        if sinfo is None and isinstance(exc, OSError) and exc.filename:  # opening a file failed
+            return CheckpointError(exc.filename, f"could not be read ({type(exc).__name__}: {exc.strerror or exc})",
+                                   "copy the whole checkpoint folder again; load an earlier checkpoint")
+        if sinfo is None:  # the plan DCP made from .metadata does not fit its own tables
+            return CheckpointError(Path(self.path) / ".metadata", f"is damaged: its entries do not fit its storage "
+                                   f"table ({type(exc).__name__}: {_first_line(exc)})",
+                                   "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+        file = Path(self.path) / sinfo.relative_path
+        key = next((index.fqn for index, info in self.storage_data.items() if info is sinfo), "?")
+        # The bytes are where .metadata says; with both files damaged alike, either may be at fault.
+        entry = f"entry {key} (bytes {sinfo.offset}-{sinfo.offset + sinfo.length}, as .metadata places it)"
+        if isinstance(exc, CheckpointError) and exc.path == _VALUE:
+            return CheckpointError(file, f"{entry} {exc.problem}", exc.fix)
+        return CheckpointError(file, f"is damaged: {entry} could not be read ({type(exc).__name__}: {_first_line(exc)})",
+                               "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+
+
+_VALUE = "<sharded checkpoint value>"  # replaced by the file and entry once the reader knows them
+
 
 def _load_bytes(value: io.BytesIO) -> Any:
     try:
         return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError("<sharded checkpoint value>", f"asks to run code while loading ({_first_line(exc)})",
-                              _UNSAFE_FIX) from None
+    except Exception as exc:  # a damaged value fails in many ways; all are one CheckpointError
+        raise _load_failure(_VALUE, exc) from None
+
+
+def _load_failure(path: str | os.PathLike, exc: BaseException) -> CheckpointError:
+    """The CheckpointError for ``torch.load(path, weights_only=True)`` raising ``exc``.
+
+    torch's safe unpickler refuses what it does not know: a callable or class (code, in a crafted
+    file) or an opcode it does not handle (damage, or a bare pickle, the form crafted files take).
+    Only the first is certainly code; the second is reported as either.
+    """
+    detail = _first_line(exc)
+    if isinstance(exc, pickle.UnpicklingError) and "weights only load failed" in str(exc).lower():
+        if any(word in detail for word in ("GLOBAL", "reduce", "Can only", "new object")):
+            return CheckpointError(path, f"asks to run code while loading ({detail})", _UNSAFE_FIX)
+        return CheckpointError(path, f"cannot be unpickled safely ({detail}): it is damaged, or crafted to run code",
+                               _UNSAFE_FIX)
+    return CheckpointError(path, f"is truncated or damaged ({type(exc).__name__}: {detail})",
+                           "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+
+
+def dcp_failure(exc: BaseException, path: str | os.PathLike) -> CheckpointError:
+    """One CheckpointError for whatever a DCP load of the checkpoint folder ``path`` raised.
+
+    DCP wraps each rank's exception, with its traceback, in a CheckpointException (a BaseException);
+    the first one is reported. Failures the reader names are passed on; others happened while DCP
+    planned the load from ``.metadata``, so they name that file.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        failures = list((getattr(exc, "failures", None) or {}).values())
+        first = failures[0] if failures else exc
+        exc = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(Path(path) / ".metadata", f"could not be used to load the checkpoint ({type(exc).__name__}: "
+                                                    f"{_first_line(exc)})",
+                           "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+
+
+def check_dcp_bytes(path: str | os.PathLike, metadata: Metadata) -> None:
+    """Load every non-tensor entry of a DCP checkpoint (small pickled values) the safe way, so that
+    ``verify`` refuses a checkpoint that carries code in any pickle, not only in the ones a load reads first."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    if not keys:
+        return
+    try:
+        _load_state_dict({}, storage_reader=SafeFileSystemReader(path), planner=SafeEmptyLoadPlanner(keys=keys),
+                         no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
+        raise dcp_failure(exc, path) from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -108,8 +261,13 @@ class SafeEmptyLoadPlanner(_EmptyStateDictLoadPlanner):
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return next((line for line in text if "GLOBAL" in line or "Unsupported" in line), text[0] if text else "")
+    """The line of an exception's message that says what happened (torch's weights_only errors
+    wrap it in advice about weights_only=False, which kiln will not take)."""
+    text = str(exc).strip()
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def safe_torch_load(path: str | os.PathLike, mmap: bool = False) -> Any:
@@ -118,13 +276,8 @@ def safe_torch_load(path: str | os.PathLike, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(path, "is missing", "copy the whole checkpoint folder") from None
-    except pickle.UnpicklingError as exc:
-        if "weights_only" in str(exc) or "GLOBAL" in str(exc):
-            raise CheckpointError(path, f"asks to run code while loading ({_first_line(exc)})", _UNSAFE_FIX) from None
-        raise CheckpointError(path, f"is damaged ({_first_line(exc)})", "load an earlier checkpoint") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CheckpointError(path, f"is truncated or damaged ({type(exc).__name__}: {_first_line(exc)})",
-                              "run `kiln checkpoint verify` on the folder; load an earlier checkpoint") from None
+    except Exception as exc:  # a damaged zip or pickle fails in many ways (RuntimeError, EOFError, KeyError, ...)
+        raise _load_failure(path, exc) from None
 
 
 def check_loadable(obj: Any, what: str) -> bytes:

@@ -1,4 +1,4 @@
-"""`kiln checkpoint merge SRC DST | inspect PATH | verify PATH | export PATH --safetensors OUT`.
+"""`kiln checkpoint merge SRC DST[.pt] | inspect PATH | verify PATH | export PATH --safetensors OUT`.
 
 Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
 checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["add_parser"]
@@ -19,10 +20,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
 
     merge = sub.add_parser("merge", help="turn a sharded/deduped checkpoint into one merged file",
-                           description="Write SRC (sharded or deduped) as a merged checkpoint folder DST, "
-                                       "whose checkpoint.pt loads with torch.load(weights_only=True).")
-    merge.add_argument("src", help="checkpoint folder (or a 'last'/'best' link)")
-    merge.add_argument("dst", help="new checkpoint folder to create")
+                           description="Write SRC as a merged checkpoint: one file when DST ends in .pt or .pth "
+                                       "(loads with torch.load(weights_only=True), and as load_path= of a Trainer), "
+                                       "else a checkpoint folder DST whose checkpoint.pt loads the same way. "
+                                       "DST must not exist.")
+    merge.add_argument("src", help="checkpoint folder (or a 'last'/'best' link, or a merged .pt file)")
+    merge.add_argument("dst", help="new file (DST.pt, DST.pth) or checkpoint folder to create")
     merge.set_defaults(func=_merge)
 
     inspect = sub.add_parser("inspect", help="a readable summary: progress, metrics, files, tensor shapes")
@@ -77,6 +80,11 @@ def _verify(args: argparse.Namespace) -> int:
     from kiln.checkpoint import verify_checkpoint
 
     manifest = verify_checkpoint(args.path)
+    if "files" not in manifest:  # a merged .pt file: no checksums to compare
+        size = os.path.getsize(args.path)
+        print(f"OK {args.path}: {manifest['name']}, one merged file, {size / 1e6:.1f} MB, loads safely "
+              "(a single file carries no checksums)")
+        return 0
     total = sum(int(f.get("bytes", 0)) for f in manifest["files"].values())
     print(f"OK {args.path}: {manifest['name']}, {len(manifest['files'])} files, {total / 1e6:.1f} MB, checksums match")
     return 0

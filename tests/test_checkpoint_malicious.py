@@ -1,0 +1,117 @@
+"""Code in a checkpoint is refused, never run: in a ``.distcp`` byte entry, in deduped saves, and
+through ``kiln checkpoint inspect|merge|export``.
+
+Each attack rewrites the manifest's checksums (as an attacker can), so only the loader's refusal to
+unpickle code stands between the file and the user. Every refusal is one CheckpointError naming
+the file; the command line exits 1 with one line. The sentinel file the payload would create
+must not exist afterwards. (tests/test_checkpoint_errors.py covers ``rank0.pt``, ``.metadata`` and
+a merged ``checkpoint.pt`` through the Python API.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import base_env
+from kiln.checkpoint import (CheckpointError, export_safetensors, inspect_checkpoint, load_checkpoint, merge_checkpoint,
+                             save_checkpoint, verify_checkpoint)
+from kiln.cli.main import main
+from workers.ckpt_common import build_state, train
+from workers.ckpt_tamper import Evil, dcp_bytes_keys, evil_pickles, rehash, replace_dcp_bytes_entry
+
+KEY = "optimizer.param_groups.0.weight.lr"  # an optimizer hyperparameter: DCP stores it as pickled bytes
+
+
+def _checkpoint(folder, save_type):
+    state = build_state()
+    train(state, 2)
+    return save_checkpoint(folder, state, save_type)
+
+
+def _attempts(path, out):
+    return {
+        "load_checkpoint": lambda: load_checkpoint(path, build_state(seed=1)),
+        "verify_checkpoint": lambda: verify_checkpoint(path),
+        "inspect_checkpoint": lambda: inspect_checkpoint(path),
+        "merge_checkpoint": lambda: merge_checkpoint(path, out / "merged.pt"),
+        "export_safetensors": lambda: export_safetensors(path, out / "w.safetensors"),
+    }
+
+
+@pytest.mark.parametrize("form", ["pickle", "torch.save"])
+@pytest.mark.parametrize("save_type", ["sharded", "deduped"])
+def test_code_in_a_distcp_byte_entry_is_refused(tmp_path, save_type, form):
+    path = _checkpoint(tmp_path / "run", save_type)
+    assert KEY in dcp_bytes_keys(path)
+    sentinel = tmp_path / "pwned"
+    victim = replace_dcp_bytes_entry(path, KEY, evil_pickles(sentinel)[form])
+    rehash(path)
+    for name, attempt in _attempts(path, tmp_path).items():
+        with pytest.raises(CheckpointError, match="run code") as err:
+            attempt()
+        assert err.value.path == str(path / victim) and KEY in str(err.value), name
+        assert "weights_only" in str(err.value), name
+        assert not sentinel.exists(), f"{name} ran the payload"
+    assert not (tmp_path / "merged.pt").exists() and not (tmp_path / "w.safetensors").exists()
+
+    # The control: torch's own DCP reader unpickles byte entries with weights_only=False, and runs it.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    control = tmp_path / "control"
+    replace_dcp_bytes_entry(path, KEY, evil_pickles(control)[form])
+    try:
+        _load_state_dict({}, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={KEY}),
+                         no_dist=True)
+    except BaseException:  # the payload has run by then; what torch makes of its result does not matter
+        pass
+    assert control.exists(), "the crafted entry is not what DCP reads; this test would prove nothing"
+
+
+def _malicious(tmp_path, save_type, victim):
+    """A checkpoint whose ``victim`` file carries code, with the manifest rewritten to match."""
+    path = _checkpoint(tmp_path / save_type, save_type)
+    sentinel = tmp_path / "pwned"
+    if victim == "distcp":
+        victim = replace_dcp_bytes_entry(path, KEY, evil_pickles(sentinel)["torch.save"])
+    elif victim == ".metadata":
+        (path / victim).write_bytes(evil_pickles(sentinel)["pickle"])
+    else:
+        torch.save({"model": Evil(sentinel), "ranks": [Evil(sentinel)]}, path / victim)
+    rehash(path)
+    return path, victim, sentinel
+
+
+CASES = [("deduped", "distcp"), ("deduped", ".metadata"), ("deduped", "rank0.pt"), ("sharded", "distcp"),
+         ("merged", "checkpoint.pt")]
+
+
+@pytest.mark.parametrize("save_type, victim", CASES, ids=[f"{s}-{v}" for s, v in CASES])
+def test_cli_refuses_code_with_one_line(tmp_path, capsys, save_type, victim):
+    path, victim, sentinel = _malicious(tmp_path, save_type, victim)
+    for command in (["inspect", str(path)], ["merge", str(path), str(tmp_path / "m.pt")],
+                    ["merge", str(path), str(tmp_path / "m")], ["export", str(path), "--safetensors", str(tmp_path / "w")]):
+        assert main(["checkpoint", *command]) == 1, command
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and victim in err and "run code" in err, (command, err)
+        assert not sentinel.exists(), f"kiln checkpoint {command[0]} ran the payload"
+    assert [p.name for p in tmp_path.iterdir()] == [save_type]  # nothing written, no temporary left
+
+
+@pytest.mark.parametrize("command", ["inspect", "merge", "export"])
+def test_the_kiln_command_refuses_code_in_a_distcp_entry(tmp_path, command):
+    """`python -m kiln.cli.main checkpoint ...` as a user runs it: exit 1, one line, no traceback."""
+    path, victim, sentinel = _malicious(tmp_path, "deduped", "distcp")
+    args = {"inspect": [str(path)], "merge": [str(path), str(tmp_path / "m.pt")],
+            "export": [str(path), "--safetensors", str(tmp_path / "w.safetensors")]}[command]
+    result = subprocess.run([sys.executable, "-m", "kiln.cli.main", "checkpoint", command, *args], env=base_env(),
+                            capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert len(err) == 1 and victim in err[0] and KEY in err[0] and "run code" in err[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not sentinel.exists()
