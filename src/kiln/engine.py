@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
@@ -92,9 +93,13 @@ class Engine:
         self._move = self.device.type != "cpu"
         self._cast = self.precision.casts_inputs
         self._autocast = self.precision.autocast_dtype is not None
+        # Where this rank is, for the heartbeat of a plain Engine loop (a Trainer describes its events instead).
+        self._last_call, self._num_steps = "initialize", 0
+        heartbeat.follow(self._describe, replace=False)
 
     # -- the four lines of a training loop ---------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._last_call = "forward"
         if self._move:
             args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
         if self._cast:
@@ -125,6 +130,7 @@ class Engine:
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
         """Backward of ``loss`` divided by the accumulation count (or times ``weight`` when given,
         which the Trainer uses for microbatches of unequal size), scaled for fp16."""
+        self._last_call = "backward"
         if self._pipeline is not None:  # the schedule applies the same scales per microbatch
             scale = weight if weight is not None else 1.0 / self._accum
             self._pipeline.backward(loss, scale=scale, scaler=self.scaler)
@@ -175,6 +181,8 @@ class Engine:
 
     def optimizer_step(self) -> None:
         """Unscale, clip and step now, whatever the accumulation counter says."""
+        self._last_call = "optimizer_step"
+        self._num_steps += 1
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
@@ -190,6 +198,11 @@ class Engine:
             scaler.update()  # and lowers the scale then
         else:
             optimizer.step()
+
+    def _describe(self) -> str:
+        """``Engine.backward (step 5)``: the last Engine call and the optimizer step it belongs to."""
+        step = self._num_steps + (self._last_call != "optimizer_step")
+        return f"Engine.{self._last_call} (step {step})"
 
     # -- modes and state ---------------------------------------------------------------------
     def train(self, mode: bool = True) -> Engine:

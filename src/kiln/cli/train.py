@@ -146,7 +146,8 @@ def run_training(trainer_args: TrainerArgs) -> int:
     import kiln
     from kiln.config.trainer_builder import build_trainer
 
-    kiln.launch_from_torch() if _under_torchrun() else kiln.launch(world_size=1)
+    timeout = trainer_args.compute_config.timeout
+    kiln.launch_from_torch(timeout=timeout) if _under_torchrun() else kiln.launch(world_size=1, timeout=timeout)
     trainer = build_trainer(trainer_args)
     try:
         if trainer_args.run_mode == "compile":

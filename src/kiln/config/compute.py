@@ -44,6 +44,8 @@ class ComputeConfig:
         inference_only: nnScaler option; must be false for training.
         pas_config: options of nnScaler's parallel policy; accepted, no effect in kiln.
         user_config: free-form user values (kept in the printed config).
+        timeout: seconds every collective waits for all ranks (the process-group timeout); a rank
+            that does not arrive in time ends the job with one line naming it.
     """
 
     strategy: str | None = None
@@ -65,9 +67,13 @@ class ComputeConfig:
     inference_only: bool = False
     pas_config: dict[str, Any] = field(default_factory=dict)
     user_config: dict[str, Any] = field(default_factory=dict)
+    timeout: float = 600.0
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if not 0 < self.timeout < float("inf"):  # NaN fails too
+            raise ConfigError(format_error("timeout", self.timeout, "a positive number of seconds, e.g. 600"),
+                              path="timeout")
         for name in ("dp_replicate", "tp", "pp", "plan_ngpus", "runtime_ngpus"):
             check_count(self, name)
         check_count(self, "dp_shard", also=(-1,))

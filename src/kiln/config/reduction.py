@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from kiln.core.callback import Callback
 from kiln.core.model import Model
+from kiln.launch.context import context
 from kiln.trainer.batching import num_samples
 
 __all__ = ["AggregatedOutputs", "EndToEndModel", "GradReduction", "aggregate_outputs", "as_end_to_end", "first_loss"]
@@ -61,9 +62,8 @@ class AggregatedOutputs:
         totals = torch.tensor([float(torch.stack(losses).sum()) if losses else 0.0, float(len(losses)),
                                sum(ntokens)], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
-            # one collective for all three sums; gloo needs CPU tensors, nccl device tensors
-            device = "cuda" if dist.get_backend(sync_group) == "nccl" else "cpu"
-            totals = totals.to(device)
+            # one collective for all three sums, on the device the backend syncs (NCCL: this rank's GPU)
+            totals = totals.to(context().device)
             dist.all_reduce(totals, group=sync_group)
         loss_sum, num_batches, num_tokens = totals.tolist()
         return cls(loss_sum=loss_sum, num_batches=int(num_batches),

@@ -139,11 +139,13 @@ class TensorboardHook(BaseHook):
             self.writer = SummaryWriter(log_dir=f"{self.log_dir}/rank{trainer.state.rank}")
 
     def _write(self, trainer: Any, mode: str, step: int, accumulated: bool) -> None:
-        if self.writer is None:
+        if self.writer is None and not accumulated:
             return
+        # An accumulated value is a sum over ranks (a collective): every rank reads it, one writes it.
         for name, metric in trainer.states["metrics"].get(mode, {}).items():
             value = metric.get_accumulated_value() if accumulated else metric.get_last_step_value()
-            self.writer.add_scalar(f"{name}/{mode}" + ("" if accumulated else "_step"), value, step)
+            if self.writer is not None:
+                self.writer.add_scalar(f"{name}/{mode}" + ("" if accumulated else "_step"), value, step)
 
     def after_train_iter(self, trainer: Any, output: Any, label: Any, loss: Any) -> None:
         self._write(trainer, "train", trainer.cur_step, accumulated=False)

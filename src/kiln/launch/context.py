@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.environments import LaunchError, from_openmpi, from_slurm, from_torchrun
 from kiln.launch.teardown import register_teardown
@@ -29,6 +31,23 @@ __all__ = [
 ]
 
 _BACKENDS = ("auto", "gloo", "nccl", "mpi", "xccl")
+DEFAULT_TIMEOUT = 600.0  # seconds, torch's own default for gloo
+
+
+def _timeout(value: float | timedelta | None) -> timedelta:
+    """``timeout=`` as a timedelta: seconds (int or float) or a timedelta, positive; None is the default."""
+    if value is None:
+        return timedelta(seconds=DEFAULT_TIMEOUT)
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(f"timeout={value!r} is not a duration; pass seconds (e.g. timeout=600) or a "
+                         "datetime.timedelta")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout={value!r} must be a positive, finite duration; e.g. timeout=600 (seconds)")
+    return timedelta(seconds=seconds)
 
 
 @dataclass
@@ -116,7 +135,7 @@ def launch(
     backend: str = "auto",
     local_rank: int | None = None,
     seed: int | None = None,
-    timeout: timedelta | None = None,
+    timeout: float | timedelta | None = DEFAULT_TIMEOUT,
     store: dist.Store | None = None,
 ) -> Context:
     """Join (or create) the default process group and record the :class:`Context`.
@@ -124,10 +143,15 @@ def launch(
     A world of 1 creates no process group: nothing needs one, and it keeps single-process
     runs free of ports.
 
+    ``timeout`` (seconds, or a ``datetime.timedelta``; default 600) bounds every collective and
+    the rendezvous: when a rank does not arrive, the others fail after it, naming the rank and
+    each rank's last kiln event (:mod:`kiln.launch.heartbeat`).
+
     Example::
 
         ctx = kiln.launch(config="config.py", rank=0, world_size=1)
     """
+    wait = _timeout(timeout)
     cfg = load_config(config)
     backend = _resolve_backend(backend)
     if world_size < 1 or not 0 <= rank < world_size:
@@ -144,12 +168,14 @@ def launch(
                 backend=backend,
                 rank=rank,
                 world_size=world_size,
-                timeout=timeout or timedelta(minutes=10),
+                timeout=wait,
                 device_id=device if device.type == "cuda" else None,
                 **rendezvous,
             )
         used_backend = dist.get_backend()
         register_teardown()  # a finished rank exits 0 every time (see teardown.py)
+        # The store the group was made with (a private accessor: torch has no public one).
+        heartbeat.start(dist.distributed_c10d._get_default_store(), rank, world_size, wait.total_seconds())
     ctx = Context(rank, world_size, local_rank, device, cfg, used_backend)
     _set_context(ctx)
     if seed is None:
@@ -159,14 +185,19 @@ def launch(
     return ctx
 
 
-def launch_from_torch(config: Config | dict | str | Path | None = None, backend: str = "auto", seed: int | None = None) -> Context:
-    """Launch from torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+def launch_from_torch(config: Config | dict | str | Path | None = None, backend: str = "auto", seed: int | None = None,
+                      timeout: float | timedelta = DEFAULT_TIMEOUT) -> Context:
+    """Launch from torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+
+    ``timeout``: seconds or a ``datetime.timedelta`` (see :func:`launch`)."""
+    wait = _timeout(timeout)  # refused before anything connects
     rank, world, local = from_torchrun()
     host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    return launch(config, rank, world, host, port, backend, local, seed, store=_elastic_store(host, port, world))
+    return launch(config, rank, world, host, port, backend, local, seed, timeout=wait,
+                  store=_elastic_store(host, port, world, wait))
 
 
-def _elastic_store(host: str, port: str, world_size: int) -> dist.Store | None:
+def _elastic_store(host: str, port: str, world_size: int, timeout: timedelta) -> dist.Store | None:
     """Under torchrun the agent hosts the store; each restart attempt gets its own key prefix.
 
     Without the prefix, the workers of a restarted attempt read the addresses the dead attempt's
@@ -175,28 +206,34 @@ def _elastic_store(host: str, port: str, world_size: int) -> dist.Store | None:
     if world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timedelta(minutes=10))
+    client = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"kiln/attempt{attempt}", client)
 
 
 def launch_from_slurm(
     config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
-    backend: str = "auto", seed: int | None = None,
+    backend: str = "auto", seed: int | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> Context:
-    """Launch from SLURM's variables: SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS), SLURM_LOCALID."""
+    """Launch from SLURM's variables: SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS), SLURM_LOCALID.
+
+    ``timeout``: seconds or a ``datetime.timedelta`` (see :func:`launch`)."""
+    wait = _timeout(timeout)
     rank, world, local = from_slurm()
     host, port = _require_address(host, port, "launch_from_slurm")
-    return launch(config, rank, world, host, port, backend, local, seed)
+    return launch(config, rank, world, host, port, backend, local, seed, timeout=wait)
 
 
 def launch_from_openmpi(
     config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
-    backend: str = "auto", seed: int | None = None,
+    backend: str = "auto", seed: int | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> Context:
-    """Launch from Open MPI's variables: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK."""
+    """Launch from Open MPI's variables: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK.
+
+    ``timeout``: seconds or a ``datetime.timedelta`` (see :func:`launch`)."""
+    wait = _timeout(timeout)
     rank, world, local = from_openmpi()
     host, port = _require_address(host, port, "launch_from_openmpi")
-    return launch(config, rank, world, host, port, backend, local, seed)
+    return launch(config, rank, world, host, port, backend, local, seed, timeout=wait)
 
 
 def _require_address(host: str | None, port: int | str | None, fn: str) -> tuple[str, int | str]:
@@ -222,6 +259,7 @@ def get_default_parser() -> argparse.ArgumentParser:
 
 def destroy() -> None:
     """Tear down the process group and forget the context (tests, notebooks)."""
+    heartbeat.stop()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _set_context(None)

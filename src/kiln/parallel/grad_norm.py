@@ -17,6 +17,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from kiln.launch.context import context
+
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
@@ -43,7 +45,8 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
     # at least float32 (bf16 norms of many shards lose digits), float64 when the gradients are
     dtype = functools.reduce(torch.promote_types, (n.dtype for n in norms), torch.float32)
     norms = [n.to(dtype) for n in norms]
-    device = norms[0].device if norms else torch.device("cpu")
+    # a stage without gradients still joins the stages' all-reduce, on the device the backend syncs
+    device = norms[0].device if norms else context().device
     if math.isinf(norm_type):
         total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
         if pp_group is not None:

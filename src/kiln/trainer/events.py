@@ -8,8 +8,14 @@ from typing import Any, Sequence
 from kiln.core.callback import Algorithm, Callback
 from kiln.core.event import Event
 from kiln.core.state import State
+from kiln.launch import heartbeat
 
 __all__ = ["EventRunner"]
+
+# Events inside a training batch, before the timestamp counts it: described with the batch's number.
+_IN_BATCH = frozenset({Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+                       Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+                       Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH})
 
 
 def _listens(callback: Callback, event: Event) -> bool:
@@ -32,6 +38,7 @@ class EventRunner:
     def __init__(self, state: State, logger: Any) -> None:
         self.state = state
         self.logger = logger
+        self.event: Event | None = None  # the last event run: what a stuck rank's heartbeat reports
         self._callbacks: dict[Event, list[Callback]] = {}
         self.rebuild()
 
@@ -40,8 +47,21 @@ class EventRunner:
         listeners = [*self.state.callbacks, *self.logger.destinations]
         self._callbacks = {e: [c for c in listeners if _listens(c, e)] for e in Event}
         self.active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
+        if heartbeat.current() is not None:
+            # With several ranks every event runs, so the heartbeat knows this rank's last one: a few
+            # hundred ns each, against the collectives of every distributed step (see heartbeat.py).
+            self.active = set(Event)
+
+    def describe(self) -> str:
+        """The last event and the batch it belongs to: ``AFTER_FORWARD (batch 5)`` (batches count from 1)."""
+        event = self.event
+        if event is None:
+            return "no kiln event yet"
+        batch = self.state.timestamp._batch + (event in _IN_BATCH)
+        return f"{event.name} (batch {batch})"
 
     def run(self, event: Event) -> None:
+        self.event = event
         state, logger = self.state, self.logger
         algorithms: Sequence[Algorithm] = state.algorithms
         if algorithms:

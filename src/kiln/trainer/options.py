@@ -153,8 +153,11 @@ class TrainerOptions:
         """Whether any rank ran out of memory on this batch (one collective, only in 'auto' mode)."""
         import torch.distributed as dist
 
+        from kiln.launch.context import context
+
         if not (dist.is_available() and dist.is_initialized()):
             return local_oom
-        flag = torch.tensor([1.0 if local_oom else 0.0])
+        # on the device the backend syncs: NCCL refuses CPU tensors
+        flag = torch.tensor([1.0 if local_oom else 0.0], device=context().device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

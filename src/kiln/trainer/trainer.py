@@ -20,6 +20,7 @@ from kiln.core.model import Model
 from kiln.core.state import State
 from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
+from kiln.launch import heartbeat
 from kiln.launch.context import context, seed_everything
 from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
@@ -237,6 +238,7 @@ class Trainer:
         move, world = self.engine.device.type != "cpu", self.engine.data_parallel_size
         evaluate_batches = self.eval_dataloader is not None and opts.evaluates_on(Event.BATCH_END)
         resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
+        heartbeat.follow(events.describe)
         try:
             run(Event.FIT_START)
             state._stop, state.stop_reason = False, None
@@ -294,6 +296,9 @@ class Trainer:
                 run(Event.EPOCH_CHECKPOINT)
             run(Event.FIT_END)
             self.logger.flush()
+        except RuntimeError as exc:
+            heartbeat.raise_if_timed_out(exc)  # a collective timed out: say which rank is missing
+            raise
         finally:
             if hook_callback is not None:
                 state.callbacks.remove(hook_callback)
@@ -454,7 +459,12 @@ class Trainer:
                   if dataloader is not None else self.eval_dataloader)
         if loader is None:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
-        return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)
+        heartbeat.follow(self.events.describe)
+        try:
+            return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)
+        except RuntimeError as exc:
+            heartbeat.raise_if_timed_out(exc)
+            raise
 
     def predict(self, dataloader: Iterable, gather: bool = False) -> list[Any] | None:
         """Model outputs for ``dataloader`` (eval mode, no gradients), sharded over the data-parallel
