@@ -94,14 +94,6 @@ while ts.epoch.value < args.epochs and not state.stopped:
 
 
 def finish(code: int) -> None:
-    # Leave without interpreter teardown when distributed: gloo's threads can abort the process
-    # (SIGABRT, "terminate called without an active exception") while Python finalises, which
-    # would turn a finished run's exit status into -6 now and then.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     if code:
         raise SystemExit(code)
 

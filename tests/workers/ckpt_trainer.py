@@ -51,6 +51,4 @@ engine = trainer.engine
 final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)
 torch.save({**final, "batch": trainer.state.timestamp.batch.value}, f"{args.out}/final_rank{trainer.state.rank}.pt")
 if torch.distributed.is_initialized():
-    # gloo's threads can abort the process while Python finalises (SIGABRT now and then): leave first
     torch.distributed.destroy_process_group()
-    os._exit(0)

@@ -83,5 +83,3 @@ if __name__ == "__main__":
     with open(f"{out}/rank{ctx.rank}.json", "w") as f:
         json.dump({"device": str(ctx.device), "calls": calls, "accuracy": accuracy}, f)
     torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # as the other workers: no gloo thread can abort the finished process

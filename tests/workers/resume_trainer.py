@@ -96,6 +96,4 @@ torch.save({**final, "scheduler": trainer.state.schedulers[0].state_dict(), "rng
             "timestamp": {k: v for k, v in ts.state_dict().items() if not k.endswith("wct")}},
            f"{args.out}/final_rank{trainer.state.rank}.pt")
 if torch.distributed.is_initialized():
-    # gloo's threads can abort the process while Python finalises (SIGABRT now and then): leave first
     torch.distributed.destroy_process_group()
-    os._exit(0)

@@ -45,6 +45,3 @@ weights = kiln.parallel.full_model_state_dict(trainer.engine)
 torch.save({"weights": weights, "batches": trainer.state.timestamp.batch.value}, f"{out}/rank{ctx.rank}.pt")
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
-# gloo's threads can abort the process while Python finalises (SIGABRT now and then): leave at once.
-sys.stdout.flush()
-os._exit(0)
