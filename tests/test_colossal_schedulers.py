@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
-from kiln.optim import colossal, colossal_warmup
+from kiln.optim import colossal, colossal_plain, colossal_warmup
 from kiln.optim.colossal import (
     CosineAnnealingLR,
     CosineAnnealingWarmupLR,
@@ -309,7 +309,8 @@ def test_bad_arguments_raise_value_error_naming_them(argument: str, value: str, 
     assert argument in message and value in message, message
 
 
-@pytest.mark.parametrize("module", [colossal, colossal_warmup], ids=["colossal", "colossal_warmup"])
+@pytest.mark.parametrize("module", [colossal, colossal_plain, colossal_warmup],
+                         ids=["colossal", "colossal_plain", "colossal_warmup"])
 def test_docstring_examples_run(module) -> None:
     result = doctest.testmod(module, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

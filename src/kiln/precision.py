@@ -23,12 +23,24 @@ from typing import Any, ContextManager, Mapping
 import torch
 from torch import nn
 
-__all__ = ["AMP_TYPE", "Precision", "PRECISIONS", "get_precision", "precision_from_config"]
+__all__ = ["AMP_TYPE", "DTYPES", "Precision", "PRECISIONS", "TENSOR_TYPES", "get_precision", "precision_from_config"]
 
-PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "bf16", "fp16")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-_TENSOR_TYPES = ("param", "buffer", "input")
+# The one home of these names: the config layer, the checkpoint tools and the CLI builder read them here.
+# Dtype names for per-tensor-type precisions and for casting checkpoints (``kiln checkpoint export --dtype``).
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                                  "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+TENSOR_TYPES = ("param", "buffer", "input")
+# Each named precision as Precision's keyword arguments (the table in this module's docstring).
+_NAMED: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "amp_bf16": {"autocast_dtype": torch.bfloat16},
+    "amp_fp16": {"autocast_dtype": torch.float16, "scaled": True},
+    "bf16": {"param_dtype": torch.bfloat16, "buffer_dtype": torch.bfloat16, "input_dtype": torch.bfloat16},
+    "fp16": {"param_dtype": torch.float16, "buffer_dtype": torch.float16, "input_dtype": torch.float16,
+             "scaled": True},
+}
+PRECISIONS = tuple(_NAMED)
+_ALIASES = {"amp": "amp_fp16", "torch": "amp_fp16", "float32": "fp32", "32": "fp32"}  # other spellings get_precision takes
 
 
 class AMP_TYPE(str, Enum):  # noqa: N801 -- Colossal-AI's public name
@@ -123,9 +135,9 @@ class Precision:
 def _dtype(value: Any, key: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
-    if value not in _DTYPES:
+    if value not in DTYPES:
         raise ValueError(f"precision[{key!r}]={value!r} is not a dtype name; expected one of fp32, bf16, fp16")
-    return _DTYPES[value]
+    return DTYPES[value]
 
 
 def get_precision(spec: str | Mapping[str, Any] | Precision | None) -> Precision:
@@ -135,23 +147,17 @@ def get_precision(spec: str | Mapping[str, Any] | Precision | None) -> Precision
     if spec is None:
         spec = "fp32"
     if isinstance(spec, Mapping):
-        unknown = set(spec) - set(_TENSOR_TYPES)
+        unknown = set(spec) - set(TENSOR_TYPES)
         if unknown:
-            raise ValueError(f"precision has unknown tensor types {sorted(unknown)}; expected keys among {list(_TENSOR_TYPES)}")
+            raise ValueError(f"precision has unknown tensor types {sorted(unknown)}; expected keys among {list(TENSOR_TYPES)}")
         dtypes = {k: _dtype(v, k) for k, v in spec.items()}
         param = dtypes.get("param", torch.float32)
         return Precision("custom", param_dtype=param, buffer_dtype=dtypes.get("buffer", param),
                          input_dtype=dtypes.get("input", param), scaled=param == torch.float16)
     name = str(spec.value if isinstance(spec, Enum) else spec).lower()
-    if name in ("amp", "torch", "amp_fp16"):
-        return Precision("amp_fp16", autocast_dtype=torch.float16, scaled=True)
-    if name == "amp_bf16":
-        return Precision("amp_bf16", autocast_dtype=torch.bfloat16)
-    if name in ("fp32", "float32", "32"):
-        return Precision("fp32")
-    if name in ("bf16", "fp16"):
-        dtype = _DTYPES[name]
-        return Precision(name, param_dtype=dtype, buffer_dtype=dtype, input_dtype=dtype, scaled=name == "fp16")
+    name = _ALIASES.get(name, name)
+    if name in _NAMED:
+        return Precision(name, **_NAMED[name])
     raise ValueError(f"precision={spec!r} is not known; expected one of {', '.join(PRECISIONS)} "
                      f"or a dict of {{param, buffer, input}} dtypes")
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kiln.core.batch import num_samples  # re-exported: the rule lives in kiln.core.batch
+
 __all__ = ["get_item", "set_item", "index_batch", "map_tensors", "num_samples"]
 
 Key = int | str
@@ -51,17 +53,6 @@ def map_tensors(batch: Any, fn: Any) -> Any:
         items = [map_tensors(v, fn) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
     return batch
-
-
-def num_samples(batch: Any) -> int:
-    """The leading dimension of the batch's first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
-    values = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
-    for value in values:
-        if isinstance(value, (torch.Tensor, Mapping, tuple, list)):
-            return num_samples(value)
-    raise ValueError(f"cannot count the samples of a batch of type {type(batch).__name__}: it holds no tensor")
 
 
 def index_batch(batch: Any, index: torch.Tensor) -> Any:

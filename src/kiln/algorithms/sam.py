@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.algorithms._batch import num_samples
 from kiln.algorithms._forward import compute_loss, forward
+from kiln.core.batch import num_samples
 from kiln.core.callback import Algorithm
 from kiln.core.event import Event
 

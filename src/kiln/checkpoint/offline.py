@@ -20,11 +20,9 @@ from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.formats import (MERGED_FILE, MERGED_SUFFIXES, _flat_shapes, read_merged, read_merged_file,
                                      read_training_state, training_state_file)
 from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, dcp_failure, read_dcp_metadata
+from kiln.precision import DTYPES
 
 __all__ = ["load_full", "inspect_checkpoint", "format_inspection", "merge_checkpoint", "export_safetensors"]
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
 
 
 def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
@@ -183,9 +181,9 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, dtype: s
     from safetensors.torch import save_file
 
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(_DTYPES)}")
-        dtype = _DTYPES[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
     manifest, tensors, _ = load_full(path, model_only=True)
     out = Path(out)
     if out.is_dir():

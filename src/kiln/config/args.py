@@ -51,10 +51,6 @@ from kiln.config.types import annotation_at, build_dataclass, check_fields, is_t
 
 __all__ = ["TrainerArgs", "dump_yaml", "load_trainer_args", "typed_overrides"]
 
-PRECISION_NAMES = ("none", "fp32", "fp16", "bf16", "amp_fp16", "amp_bf16")
-TENSOR_PRECISIONS = ("none", "fp32", "fp16", "bf16")
-TENSOR_TYPES = ("param", "buffer", "input")
-
 
 @dataclass(kw_only=True)
 class TrainerArgs:
@@ -160,8 +156,16 @@ class TrainerArgs:
 
     def _check_precision(self) -> None:
         spec = self.precision
-        if isinstance(spec, str) and spec not in PRECISION_NAMES:
-            raise ConfigError(format_error("precision", spec, "one of " + ", ".join(PRECISION_NAMES)
+        if spec is None:
+            return
+        # The names live in kiln.precision, which imports torch: imported here, not at the top, so
+        # that `import kiln.config` stays light (the component checks import torch anyway).
+        from kiln.precision import DTYPES, PRECISIONS, TENSOR_TYPES
+
+        # "none" is nnScaler's: leave the dtypes as the model has them.
+        names, dtype_names = ("none", *PRECISIONS), ("none", *DTYPES)
+        if isinstance(spec, str) and spec not in names:
+            raise ConfigError(format_error("precision", spec, "one of " + ", ".join(names)
                                            + " or a mapping of param/buffer/input to fp32/fp16/bf16/none"),
                               path="precision")
         if isinstance(spec, dict):
@@ -169,8 +173,8 @@ class TrainerArgs:
                 if key not in TENSOR_TYPES:
                     raise ConfigError(format_error(f"precision.{key}", key, "a tensor type: param, buffer or input"),
                                       path=f"precision.{key}")
-                if value not in TENSOR_PRECISIONS:
-                    raise ConfigError(format_error(f"precision.{key}", value, "one of " + ", ".join(TENSOR_PRECISIONS)),
+                if value not in dtype_names:
+                    raise ConfigError(format_error(f"precision.{key}", value, "one of " + ", ".join(dtype_names)),
                                       path=f"precision.{key}")
 
     # -- construction --------------------------------------------------------------------------

@@ -193,6 +193,12 @@ class LRSchedulerConfig:
         require(self, "type", "a scheduler such as 'torch.optim.lr_scheduler.StepLR'")
 
 
+# kiln.checkpoint.formats.SAVE_TYPES is the home of the save types. A Literal must spell its values
+# out, and the config layer imports no torch (nor, so, the checkpoint code): this copy is kept equal
+# to the home by tests/test_single_sources.py::test_config_save_types_are_the_checkpoint_layers.
+SaveType = Literal["sharded", "deduped", "merged"]
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Checkpoints: where, how often, how many, and what to resume from.
@@ -212,7 +218,7 @@ class CheckpointConfig:
 
     save_dir: str = "./checkpoints"
     no_save: bool = False
-    save_type: Literal["sharded", "deduped", "merged"] = "sharded"
+    save_type: SaveType = "sharded"
     save_last: bool = True
     save_best: bool = True
     symlink_best_and_last: bool = True

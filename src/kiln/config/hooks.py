@@ -32,8 +32,9 @@ from typing import Any, Callable, Sequence
 
 from kiln.config.components import HookMapConfig
 from kiln.config.reduction import AggregatedOutputs, GradReduction
+from kiln.core.batch import num_samples
 from kiln.core.callback import Callback
-from kiln.trainer.batching import num_samples, split_batch
+from kiln.trainer.batching import split_batch
 
 __all__ = ["HOOK_POINTS", "HookCallback", "TrainHook", "hook_from_functions"]
 

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from kiln.core.batch import num_samples
 from kiln.core.callback import Callback
 from kiln.core.model import Model
 from kiln.launch.context import context
-from kiln.trainer.batching import num_samples
 
 __all__ = ["AggregatedOutputs", "EndToEndModel", "GradReduction", "aggregate_outputs", "as_end_to_end", "first_loss"]
 

@@ -40,20 +40,19 @@ from kiln.config.reduction import GradReduction, as_end_to_end
 from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.context import context, seed_everything
-from kiln.precision import Precision
+from kiln.precision import DTYPES, TENSOR_TYPES, Precision
 
 __all__ = ["build_model", "build_precision", "build_trainer"]
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "none": None}
-
 
 def build_precision(spec: str | dict[str, str] | None) -> str | Precision | None:
-    """nnScaler's precision as kiln's: a name, or per tensor type (a missing type is left as it is)."""
+    """nnScaler's precision as kiln's: a name, or per tensor type (a missing type, or ``"none"``, is
+    left as it is)."""
     if spec is None or spec == "none":
         return None
     if isinstance(spec, str):
         return spec
-    dtypes = {k: _DTYPES[spec.get(k, "none")] for k in ("param", "buffer", "input")}
+    dtypes = {k: None if spec.get(k, "none") == "none" else DTYPES[spec[k]] for k in TENSOR_TYPES}
     return Precision("custom", param_dtype=dtypes["param"], buffer_dtype=dtypes["buffer"],
                      input_dtype=dtypes["input"], scaled=dtypes["param"] is torch.float16)
 

@@ -27,6 +27,7 @@ __all__ = [
     "launch_from_slurm",
     "launch_from_openmpi",
     "get_default_parser",
+    "resolve_device",
     "seed_everything",
 ]
 
@@ -104,6 +105,46 @@ def _device_for(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+_DEVICE_CHOICES = "'cpu', 'gpu', 'cuda', 'cuda:N', a torch.device of those, or None (the best available)"
+
+
+def resolve_device(device: str | torch.device | None, ctx: Context | None = None) -> torch.device:
+    """Where a Trainer's model and batches go, from its ``device=`` argument.
+
+    ``None`` is the context's device (``cuda:<local_rank>`` when CUDA is there, else ``cpu``);
+    ``"gpu"`` and ``"cuda"`` are this rank's GPU; ``"cuda:N"`` is GPU N; ``"cpu"`` is the CPU even
+    where CUDA is there. Asking for CUDA without it, or the CPU under an nccl process group (NCCL
+    moves only CUDA tensors, so the first collective would fail), raises ValueError naming both.
+    """
+    ctx = ctx or context()
+    if device is None:
+        return ctx.device
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device={device!r} is not a device; expected {_DEVICE_CHOICES}")
+    spec = device.strip().lower() if isinstance(device, str) else device
+    try:
+        resolved = torch.device("cuda" if spec == "gpu" else spec)
+    except RuntimeError:  # torch's message for an unknown string
+        raise ValueError(f"device={device!r} is not a device; expected {_DEVICE_CHOICES}") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} asks for a GPU, but CUDA is not available on this machine "
+                             "(torch.cuda.is_available() is False); use device='cpu', or None for the best available")
+        count = torch.cuda.device_count()
+        if resolved.index is None:  # this rank's GPU: the one the launch picked
+            resolved = ctx.device if ctx.device.type == "cuda" else torch.device("cuda", ctx.local_rank % count)
+        elif resolved.index >= count:
+            raise ValueError(f"device={device!r} names GPU {resolved.index}, but this machine has {count} "
+                             f"(cuda:0 to cuda:{count - 1}); use device='cuda' for this rank's GPU")
+    elif resolved.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; expected {_DEVICE_CHOICES}")
+    if ctx.backend == "nccl" and resolved.type != "cuda":
+        raise ValueError(f"device={device!r} trains on the CPU, but the process group's backend is nccl, which moves "
+                         "only CUDA tensors; use device='cuda' (or None), or launch with backend='gloo' to train on "
+                         "the CPU")
+    return resolved
 
 
 def _resolve_backend(backend: str) -> str:

@@ -1,10 +1,10 @@
 """Colossal-AI's warmup and flat-start schedulers: a linear warmup and/or a flat stretch at
-``base_lr``, then one of the plain schedules from `kiln.optim.colossal`.
+``base_lr``, then one of the plain schedules from `kiln.optim.colossal_plain`.
 
 They share one wrapper, `_WarmupScheduler` (Colossal-AI's ``WarmupScheduler``,
 ``DelayerScheduler`` and ``WarmupDelayerScheduler`` in one class). The conventions - closed forms,
 the warmup ramp, the post-warmup clock, holding after ``total_steps`` - are written down in
-`kiln.optim.colossal`; every name here is also importable from there.
+`kiln.optim.colossal`, which every name here is imported from.
 """
 
 from collections.abc import Iterable, Sequence
@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from torch.optim import lr_scheduler as torch_sched
 from torch.optim.lr_scheduler import LRScheduler
 
-from kiln.optim.colossal import (
+from kiln.optim.colossal_plain import (
     CosineAnnealingLR,
     MultiStepLR,
     PolynomialLR,

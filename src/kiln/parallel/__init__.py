@@ -11,24 +11,15 @@ import importlib
 from typing import Any
 
 from kiln.parallel.state_dict import full_model_state_dict
-from kiln.parallel.strategy import Strategy, get_strategy, register_strategy, strategy_names
+from kiln.parallel.strategy import _BUILTIN, Strategy, get_strategy, register_strategy, strategy_names
 
-# public name -> module that defines it
+# public name -> module that defines it: every strategy class of the registry (strategy.py, the
+# one list of them), then the other public names.
 _LAZY = {
-    "SingleDevice": "kiln.parallel.single",
-    "DDP": "kiln.parallel.ddp",
-    "Zero1": "kiln.parallel.zero",
-    "FSDP": "kiln.parallel.fsdp",
-    "Zero2": "kiln.parallel.fsdp",
-    "Zero3": "kiln.parallel.fsdp",
-    "TensorParallel": "kiln.parallel.tensor",
-    "Pipeline": "kiln.parallel.pipeline",
+    **{cls: module for module, _, cls in (path.partition(":") for path in _BUILTIN.values())},
     "PipelineOutput": "kiln.parallel.pipeline",
     "full_pipeline_state_dict": "kiln.parallel.pipeline",
-    "Hybrid": "kiln.parallel.hybrid",
     "ParallelDims": "kiln.parallel.mesh",
-    "DeepSpeed": "kiln.parallel.deepspeed",
-    "Auto": "kiln.parallel.auto",
     "PlanRow": "kiln.parallel.plan",
     "plan_table": "kiln.parallel.plan",
     "clip_grad_norm_": "kiln.parallel.grad_norm",

@@ -1,4 +1,4 @@
-"""Batches: counting samples and tokens, and splitting into microbatches."""
+"""Batches: counting tokens, splitting into microbatches (samples are counted by :mod:`kiln.core.batch`)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,9 @@ from typing import Any, Mapping
 
 import torch
 
+from kiln.core.batch import num_samples  # re-exported: the rule lives in kiln.core.batch
+
 __all__ = ["num_samples", "num_tokens", "split_batch"]
-
-
-def num_samples(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
-        return batch[0].shape[0]  # the common (inputs, targets) case, checked without ABCs: per batch
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return num_samples(batch[0])
-    if isinstance(batch, Mapping) and batch:
-        return num_samples(next(iter(batch.values())))
-    raise TypeError(f"cannot count samples in a batch of type {type(batch).__name__}; "
-                    "expected a tensor, a (inputs, targets) tuple or a dict of tensors")
 
 
 def num_tokens(batch: Any) -> int:

@@ -6,6 +6,7 @@ Kept apart from ``trainer.py`` so that file holds the loop; everything here runs
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from kiln.core.model import Model
 from kiln.engine import Engine
+from kiln.launch.context import Context, resolve_device
 
 __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
 
@@ -20,11 +22,17 @@ __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers
 def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
                  precision: Any, strategy: Any, clip_grad_norm: float | None,
                  deepspeed_config: Mapping[str, Any] | str | None, algorithms: Sequence[Any],
-                 batch_size: int | None = None, ctx: Any) -> Engine:
+                 batch_size: int | None = None, device: str | torch.device | None = None, ctx: Context) -> Engine:
     """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``; ``batch_size``: the training
-    loader's, per rank (DeepSpeed's config takes it when it names no batch size)."""
+    loader's, per rank (DeepSpeed's config takes it when it names no batch size); ``device``: the
+    Trainer's ``device=`` (see :func:`kiln.launch.context.resolve_device`)."""
     if model is None:
         raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
+    # The one place device= takes effect: the strategy places the model on ctx.device and the
+    # Engine moves batches there, so a Context on the chosen device decides both.
+    resolved = resolve_device(device, ctx)
+    if resolved != ctx.device:
+        ctx = dataclasses.replace(ctx, device=resolved)
     if not isinstance(model, Model) and criterion is None:
         raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
                          "or make it a kiln.Model with a loss(outputs, batch) method")

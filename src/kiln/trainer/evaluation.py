@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
+from kiln.core.batch import num_samples
 from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.data import ShardSampler
-from kiln.trainer.batching import num_samples, split_batch
+from kiln.trainer.batching import split_batch
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer

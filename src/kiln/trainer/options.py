@@ -13,8 +13,6 @@ from kiln.core.time import Time, TimeUnit
 
 __all__ = ["TrainerOptions", "resolve_duration"]
 
-SAVE_TYPES = ("sharded", "deduped", "merged")
-
 
 def resolve_duration(value: Any) -> Time:
     """max_duration as a Time: ints are epochs; ``dur`` is not allowed (it is relative to itself)."""
@@ -102,9 +100,11 @@ class TrainerOptions:
         if log.unit != TimeUnit.BATCH or log.value < 1:
             raise ValueError(f"log_interval={args['log_interval']!r} must be a positive number of batches, e.g. '10ba'")
         opts.log_every = int(log.value)
-        if args["save_type"] not in SAVE_TYPES:
-            raise ValueError(f"save_type={args['save_type']!r} is not known; expected one of {', '.join(SAVE_TYPES)}")
-        opts.save_type = args["save_type"]
+        # Checked here, before training, by the checkpoint layer's own rule. Imported here rather
+        # than at the top so that importing the Trainer does not import the checkpoint code.
+        from kiln.checkpoint.formats import check_save_type
+
+        opts.save_type = check_save_type(args["save_type"])
         keep = args["save_num_checkpoints_to_keep"]
         if not isinstance(keep, int) or keep == 0 or keep < -1:
             raise ValueError(f"save_num_checkpoints_to_keep={keep!r} must be -1 (keep all) or a positive int")

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from kiln.core.batch import num_samples
 from kiln.core.callback import Algorithm, Callback
 from kiln.core.event import Event
 from kiln.core.model import Model
@@ -21,10 +22,10 @@ from kiln.core.state import State
 from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
 from kiln.launch import heartbeat
-from kiln.launch.context import context, seed_everything
+from kiln.launch.context import context, resolve_device, seed_everything
 from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
-from kiln.trainer.batching import num_samples, num_tokens, split_batch
+from kiln.trainer.batching import num_tokens, split_batch
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
@@ -45,6 +46,9 @@ class Trainer:
             ``"1e6tok"``, ``"1h30m"``) or a :class:`kiln.Time`.
         optimizers, schedulers: a torch optimizer; torch schedulers (stepped per epoch unless
             ``step_schedulers_every_batch``) or kiln time-aware schedulers (stepped per batch).
+        device: where the model and batches go: ``"cpu"``, ``"gpu"``/``"cuda"`` (this rank's GPU),
+            ``"cuda:N"``, a ``torch.device``, or ``None`` for the best available (the context's
+            device: ``cuda:<local_rank>`` when CUDA is there, else the CPU).
         precision, strategy: see :mod:`kiln.precision` and :mod:`kiln.parallel`.
         deepspeed_config: Composer's form of ``strategy="deepspeed"``: a DeepSpeed config dict (``{}``
             is valid) or JSON path; kiln fills accumulation, clipping and precision into it.
@@ -123,7 +127,10 @@ class Trainer:
             engine = build_engine(model, optimizers, criterion, precision=precision, strategy=strategy,
                                   clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config,
                                   algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
-                                  batch_size=getattr(train_dataloader, "batch_size", None), ctx=ctx)
+                                  batch_size=getattr(train_dataloader, "batch_size", None), device=device, ctx=ctx)
+        elif device is not None and resolve_device(device, ctx) != engine.device:
+            raise ValueError(f"device={device!r} differs from the device of the engine= given ({engine.device}); the "
+                             "Engine already placed the model: drop device=, or build the Engine on that device")
         self.engine = engine
         module = engine.module
         self._is_kiln_model = isinstance(module, Model)
