@@ -19,6 +19,7 @@ process. The child is killed only by the server, which reaps it only after the k
 import os
 import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -50,6 +51,10 @@ def child(folder: str, mode: str, start: str, server: int) -> None:
     while os.getppid() == server:  # a child whose server died (a failed test killed it) stops too
         step(state)
         saver.run_event(kiln.Event.BATCH_CHECKPOINT, state, None)
+        # An async save returns before it commits: in an empty folder the test's first kill could
+        # otherwise land before any checkpoint exists. Say "saved" only once `last` exists.
+        while resolve_checkpoint(folder, "last", must_exist=False) is None:
+            time.sleep(0.001)
         print(f"saved {checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)}", flush=True)
 
 
