@@ -179,6 +179,49 @@ def test_stop_training_ends_the_run_cleanly():
     assert rec.events[-1] == Event.FIT_END
 
 
+_BATCH = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+          Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS, Event.BEFORE_BACKWARD,
+          Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT]
+
+
+class _AtBatch(kiln.Callback):
+    """At the BATCH_END of batch ``number``, calls ``change()``; listens to nothing else."""
+
+    def __init__(self, number, change):
+        self.number, self.change = number, change
+
+    def batch_end(self, state, logger):
+        if state.timestamp.batch.value == self.number:
+            self.change()
+
+
+def test_a_callback_added_mid_fit_by_another_gets_the_events_from_the_next_one_on():
+    rec = Recorder()
+    trainer = _trainer(max_duration="4ba")
+    adder = _AtBatch(2, lambda: trainer.events.add(rec))
+    trainer.events.add(adder)
+    trainer.fit()
+    # Nothing listened to the in-batch events before: they run for rec from batch 3 on all the same.
+    assert rec.events == [Event.BATCH_CHECKPOINT, *_BATCH, *_BATCH, Event.FIT_END]
+    assert trainer.state.callbacks == [adder, rec]
+
+
+def test_a_callback_removed_mid_fit_gets_no_event_after_the_current_one():
+    rec = Recorder()
+
+    def remove_both():
+        trainer.events.remove(rec)
+        trainer.events.remove(remover)  # a callback may remove itself too
+
+    remover = _AtBatch(2, remove_both)
+    trainer = _trainer(max_duration="4ba", callbacks=[remover, rec])
+    trainer.fit()
+    # The BATCH_END running when rec was removed finishes with the callbacks it started with.
+    assert rec.events == [Event.INIT, Event.FIT_START, Event.EPOCH_START, *_BATCH, *_BATCH[:-1]]
+    assert trainer.state.callbacks == [] and trainer.state.timestamp.batch.value == 4
+    assert Event.BATCH_END not in trainer.events.active  # nobody listens now: the loop skips it again
+
+
 def test_algorithms_run_before_callbacks_and_reverse_on_after_events():
     calls = []
 

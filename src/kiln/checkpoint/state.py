@@ -33,8 +33,6 @@ __all__ = ["training_objects", "model_optimizer_state", "load_model_optimizer_st
            "serialize_training_state", "restore_training_state", "rng_state", "set_rng_state",
            "restore_dataloader_position", "restore_rng_after_iter", "run_config", "resumed_on_same_world"]
 
-_PENDING = "_kiln_checkpoint_resume"  # attribute on State: what load_checkpoint could not apply yet
-
 
 # -- model and optimizer ------------------------------------------------------------------------
 def training_objects(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
@@ -198,7 +196,7 @@ def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, re
                 warnings.warn(f"{source} has no state for {kind[:-1]} {key}; it starts fresh", stacklevel=3)
     pending = {"sampler": saved.get("sampler"), "rng": saved["rng"] if restore_rng else None,
                "mid_epoch": state.timestamp.batch_in_epoch.value > 0, "same_world": same_world}
-    setattr(state, _PENDING, pending)
+    state.pending_resume = pending
     if restore_rng:
         set_rng_state(saved["rng"])
     if getattr(state, "dataloader", None) is not None:
@@ -218,7 +216,7 @@ def restore_dataloader_position(state: Any) -> None:
     A sampler with ``skip`` (kiln's ``ResumableSampler``) starts after the consumed samples of the
     epoch, so nothing is loaded twice. Safe to call more than once.
     """
-    pending = getattr(state, _PENDING, None) or {}
+    pending = state.pending_resume or {}
     sampler = _sampler(state)
     if sampler is None:
         return
@@ -238,7 +236,7 @@ def restore_dataloader_position(state: Any) -> None:
 
 def resumed_on_same_world(state: Any) -> bool:
     """Whether the checkpoint last loaded into ``state`` was saved by as many ranks as run now."""
-    return (getattr(state, _PENDING, None) or {}).get("same_world", True)
+    return (state.pending_resume or {}).get("same_world", True)
 
 
 def restore_rng_after_iter(state: Any) -> bool:
@@ -247,7 +245,7 @@ def restore_rng_after_iter(state: Any) -> bool:
     Returns True when it did. A no-op after an epoch-boundary checkpoint, where the uninterrupted
     run also created its iterator after the recorded state.
     """
-    pending = getattr(state, _PENDING, None)
+    pending = state.pending_resume
     if not pending or pending.get("rng") is None:
         return False
     rng, pending["rng"] = pending["rng"], None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -15,22 +16,17 @@ if TYPE_CHECKING:
 __all__ = ["State"]
 
 
+# A dataclass only for its declared, typed fields and the __slots__ made from them: setting an
+# attribute that is not declared here raises AttributeError, so everything the Trainer, checkpoints
+# and callbacks keep on the State is listed in one place. __init__ stays hand-written (keyword
+# arguments that are not fields), and equality stays identity.
+@dataclass(slots=True, init=False, repr=False, eq=False)
 class State:
-    """The training run's state.
+    """The training run's state: each field below is documented where it is declared.
 
-    Attributes:
-        model: the user's module (unwrapped; ``state.engine.model`` is what the strategy wraps).
-        optimizers: list of optimizers. ``state.optimizer`` is the first.
-        schedulers: list of LR schedulers (stepped by the Trainer).
-        timestamp: a :class:`kiln.Timestamp`; advances before ``BATCH_END``.
-        max_duration: a :class:`kiln.Time` or None.
-        batch, outputs, loss: the current (micro)batch, its outputs and loss.
-        precision: the :class:`kiln.precision.Precision`.
-        train_metrics, eval_metrics: dicts of torchmetrics metrics.
-        metrics: the latest logged values, e.g. ``{"eval/loss": 0.1}``.
-        dataloader: the training dataloader; ``dataloader_len`` its length (None if unknown).
-        rank, world_size: where this process runs.
-        algorithms, callbacks: what runs on events.
+    Every attribute is declared (an undeclared one raises AttributeError); fields with a leading
+    underscore are written only by ``kiln.core``. Callbacks added to a running Trainer go through
+    ``trainer.events.add(callback)``, which also appends them to ``callbacks``.
 
     Example::
 
@@ -39,6 +35,73 @@ class State:
                 if state.timestamp.batch.value >= 10:
                     state.stop_training()
     """
+
+    # -- the run's components ---------------------------------------------------------------
+    model: nn.Module
+    """The user's module, unwrapped (``state.engine.model`` is what the strategy wraps)."""
+    optimizers: list[torch.optim.Optimizer]
+    """The optimizers; ``state.optimizer`` is the first."""
+    schedulers: list[Any]
+    """The LR schedulers (stepped by the Trainer)."""
+    precision: Any
+    """The :class:`kiln.precision.Precision` the engine computes in (None outside a Trainer)."""
+    engine: Any
+    """The :class:`kiln.Engine` that runs the model under its strategy (None outside a Trainer)."""
+    loss_fn: Callable[[Any, Any], Any] | None
+    """The loss of ``(outputs, batch)`` the Trainer computes; algorithms that rerun the forward call it."""
+    algorithms: list[Algorithm]
+    """Algorithms, run first on each event."""
+    callbacks: list[Callback]
+    """Callbacks, run after the algorithms; add or remove them with ``trainer.events.add``/``remove``."""
+    # -- where and how it runs ----------------------------------------------------------------
+    rank: int
+    """This process's global rank."""
+    world_size: int
+    """The number of processes in the run."""
+    device: torch.device
+    """The device the model and batches are on."""
+    seed: int | None
+    """The run's seed (None: not seeded)."""
+    run_name: str
+    """The run's name, recorded in checkpoint manifests."""
+    config: dict[str, Any] | None
+    """The run's configuration, recorded in each checkpoint's manifest (None: the launch context's)."""
+    grad_accum: int
+    """The number of microbatches a batch is split into."""
+    # -- time -----------------------------------------------------------------------------------
+    timestamp: Timestamp
+    """Where the run is: epoch, batch, sample, token; advances before ``BATCH_END``."""
+    max_duration: Time | None
+    """When ``fit()`` ends (None until given)."""
+    # -- the current batch ------------------------------------------------------------------------
+    batch: Any
+    """The current (micro)batch."""
+    outputs: Any
+    """The model's outputs for ``batch``."""
+    loss: Any
+    """The training loss of ``batch`` (after ``AFTER_TRAIN_BATCH``: of the whole batch)."""
+    eval_loss: Any
+    """The loss of the current evaluation batch (from ``EVAL_AFTER_FORWARD``)."""
+    # -- metrics and data -----------------------------------------------------------------------
+    train_metrics: dict[str, Any]
+    """Training metrics (torchmetrics), by name."""
+    eval_metrics: dict[str, dict[str, Any]]
+    """Evaluation metrics (torchmetrics), by evaluation label, then name."""
+    metrics: dict[str, Any]
+    """The latest logged values, e.g. ``{"eval/loss": 0.1}``."""
+    dataloader: Any
+    """The training dataloader."""
+    dataloader_len: int | None
+    """Batches per training epoch (None if unknown)."""
+    eval_dataloader: Any
+    """The dataloader of the evaluation running now, or of the last one."""
+    # -- resuming and stopping --------------------------------------------------------------------
+    pending_resume: dict[str, Any] | None
+    """What the last checkpoint load could not apply yet (sampler position, RNG states): ``kiln.checkpoint``'s."""
+    stop_reason: str | None
+    """Why ``stop_training()`` was called (None: it was not)."""
+    _stop: bool
+    """Set by ``stop_training()``; the loop reads it after each batch."""
 
     def __init__(self, model: nn.Module, *, rank: int = 0, world_size: int = 1, max_duration: Time | None = None,
                  optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
@@ -56,19 +119,23 @@ class State:
         self.algorithms = list(algorithms)
         self.callbacks = list(callbacks)
         self.run_name = run_name
+        self.config = None
         self.timestamp = Timestamp()
-        self.batch: Any = None
-        self.outputs: Any = None
-        self.loss: Any = None
-        self.train_metrics: dict[str, Any] = {}
-        self.eval_metrics: dict[str, dict[str, Any]] = {}
-        self.metrics: dict[str, float] = {}
-        self.dataloader: Any = None
-        self.dataloader_len: int | None = None
-        self.eval_dataloader: Any = None
+        self.batch = None
+        self.outputs = None
+        self.loss = None
+        self.eval_loss = None
+        self.train_metrics = {}
+        self.eval_metrics = {}
+        self.metrics = {}
+        self.dataloader = None
+        self.dataloader_len = None
+        self.eval_dataloader = None
         self.grad_accum = 1
-        self.engine: Any = None
-        self.stop_reason: str | None = None
+        self.engine = None
+        self.loss_fn = None
+        self.pending_resume = None
+        self.stop_reason = None
         self._stop = False
 
     # -- conveniences -----------------------------------------------------------------------
@@ -84,6 +151,11 @@ class State:
         """End the run cleanly after the current batch (the final checkpoint is still written)."""
         self._stop = True
         self.stop_reason = reason
+
+    def clear_stop(self) -> None:
+        """Forget an earlier ``stop_training()`` (``fit()`` calls this as it starts, so a stopped run can go on)."""
+        self._stop = False
+        self.stop_reason = None
 
     @property
     def stopped(self) -> bool:

@@ -33,24 +33,58 @@ class EventRunner:
 
     On ``after_*`` and ``*_end`` events algorithms run in reverse order, so an algorithm that
     wraps a step undoes its change in the opposite order of applying it (as in Composer).
+
+    ``add(callback)`` and ``remove(callback)`` work at any time, also from inside an event (one
+    callback adding or removing another at ``BATCH_END``): the change holds from the next event on,
+    and the event running now finishes with the callbacks it started with.
+
+    Example::
+
+        class MonitorFrom(kiln.Callback):
+            def __init__(self, trainer, batch):
+                self.trainer, self.batch = trainer, batch
+
+            def batch_end(self, state, logger):
+                if state.timestamp.batch.value == self.batch:  # SpeedMonitor runs from BATCH_CHECKPOINT on
+                    self.trainer.events.add(kiln.callbacks.SpeedMonitor())
+                    self.trainer.events.remove(self)
     """
 
     def __init__(self, state: State, logger: Any) -> None:
         self.state = state
         self.logger = logger
         self.event: Event | None = None  # the last event run: what a stuck rank's heartbeat reports
+        # The events someone listens to. Updated in place, never replaced: the training loop holds
+        # this set for a whole fit() and skips the events outside it with one lookup.
+        self.active: set[Event] = set()
         self._callbacks: dict[Event, list[Callback]] = {}
         self.rebuild()
 
+    def add(self, callback: Callback) -> None:
+        """Append ``callback`` to ``state.callbacks`` and run it from the next event on."""
+        self.state.callbacks.append(callback)
+        self.rebuild()
+
+    def remove(self, callback: Callback) -> None:
+        """Take ``callback`` out of ``state.callbacks``; it runs on no event after the current one."""
+        self.state.callbacks.remove(callback)
+        self.rebuild()
+
     def rebuild(self) -> None:
-        """Recompute who listens to what (after callbacks or loggers were added or removed)."""
+        """Recompute who listens to what from ``state.callbacks``, ``state.algorithms`` and the
+        logger's destinations (``add``/``remove`` call this; ``fit()`` too, for lists edited directly)."""
         listeners = [*self.state.callbacks, *self.logger.destinations]
+        # Fresh lists, never edited afterwards: a run() iterating the old ones while a callback adds
+        # or removes another goes on with the old ones, so the change starts at the next event.
         self._callbacks = {e: [c for c in listeners if _listens(c, e)] for e in Event}
-        self.active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
         if heartbeat.current() is not None:
             # With several ranks every event runs, so the heartbeat knows this rank's last one: a few
             # hundred ns each, against the collectives of every distributed step (see heartbeat.py).
-            self.active = set(Event)
+            active = set(Event)
+        else:
+            active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
+        self.active.clear()
+        self.active.update(active)
 
     def describe(self) -> str:
         """The last event and the batch it belongs to: ``AFTER_FORWARD (batch 5)`` (batches count from 1)."""

@@ -171,8 +171,7 @@ class Trainer:
             self._saver = CheckpointSaver(save_folder, interval=save_interval,
                                           num_checkpoints_to_keep=save_num_checkpoints_to_keep,
                                           save_type=save_type, save_best=save_best, save_async=save_async)
-            state.callbacks.append(self._saver)
-            self.events.rebuild()
+            self.events.add(self._saver)
 
         self.events.run(Event.INIT)
         self._load(load_path, autoresume, save_folder)
@@ -248,7 +247,7 @@ class Trainer:
         heartbeat.follow(events.describe)
         try:
             run(Event.FIT_START)
-            state._stop, state.stop_reason = False, None
+            state.clear_stop()
             while not state._stop and getattr(ts, counter) < limit:
                 iterator = self._start_epoch(loader, resume_skip)
                 resume_skip = 0
@@ -308,8 +307,7 @@ class Trainer:
             raise
         finally:
             if hook_callback is not None:
-                state.callbacks.remove(hook_callback)
-                events.rebuild()
+                events.remove(hook_callback)
             progress.close()
 
     def _prepare_fit(self, train_dataloader: Any, duration: Any, eval_dataloader: Any, epochs: Any,
@@ -337,13 +335,13 @@ class Trainer:
         if self.train_dataloader is None:
             raise ValueError("no training data: pass train_dataloader= to the Trainer or to fit()")
         check_schedulers(self._per_batch_schedulers, state)
+        self.events.rebuild()  # callbacks, algorithms or loggers whose lists were edited directly count from here
         hook_callback = None
         if hooks:
             from kiln.trainer.hooks import ColossalHookCallback
 
             hook_callback = ColossalHookCallback(hooks, self)
-            state.callbacks.append(hook_callback)
-        self.events.rebuild()
+            self.events.add(hook_callback)
         return hook_callback
 
     def _start_epoch(self, loader: Any, resume_skip: int) -> Any:
