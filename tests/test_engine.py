@@ -46,6 +46,44 @@ def test_four_accumulated_steps_equal_one_big_batch():
         assert torch.allclose(a, b, atol=1e-6, rtol=0), k
 
 
+class _DoublingBackward(kiln.parallel.SingleDevice):
+    """A strategy that overrides only backward: counts the calls and doubles the loss."""
+
+    name = "doubling-backward"
+
+    def __init__(self):
+        self.calls: list[float | None] = []
+
+    def backward(self, model, loss, scale, scaler):
+        self.calls.append(scale)
+        super().backward(model, loss * 2, scale, scaler)
+
+
+def test_a_strategy_overriding_only_backward_runs_under_the_engine():
+    # The Engine hands backward to the strategy under every strategy; one that overrides only
+    # backward keeps the Engine's accumulation scale, clipping and optimizer step.
+    x, y = _data(16)
+    plain, custom = _model(), _model()
+    strategy = _DoublingBackward()
+    engines = [kiln.Engine(m, torch.optim.SGD(m.parameters(), lr=0.5), nn.CrossEntropyLoss(), strategy=s,
+                           gradient_accumulation=2, clip_grad_norm=1e6)
+               for m, s in ((plain, "single"), (custom, strategy))]
+    grads = []
+    for eng in engines:
+        for i in range(2):
+            eng.zero_grad()
+            eng.backward(eng.criterion(eng(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8]))
+            if i == 1:  # the accumulated gradients, before the optimizer step
+                grads.append([p.grad.clone() for p in eng.model.parameters()])
+            assert eng.step() == (i == 1)
+    assert strategy.calls == [0.5, 0.5]  # 1/gradient_accumulation, as the Engine computes it
+    for a, b in zip(*grads):
+        assert torch.equal(a * 2, b)
+    plain_eng, custom_eng = engines
+    assert torch.equal(custom_eng.last_grad_norm, plain_eng.last_grad_norm * 2)  # clipped by the Engine
+    assert not torch.equal(custom.state_dict()["0.weight"], _model().state_dict()["0.weight"])  # and stepped
+
+
 def test_scheduler_steps_once_per_accumulation_cycle():
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=1.0)

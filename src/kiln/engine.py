@@ -7,10 +7,12 @@
         engine.backward(loss)
         engine.step()
 
-The Engine applies the precision policy (autocast, input casts, loss scaling), the strategy
-(placement, DDP gradient sync only on the last accumulation step, global-norm clipping), gradient
-accumulation over N ``step()`` calls and device placement of batches. Its per-step path does no
-host synchronisation and no allocation a raw loop would not do.
+The Engine applies the precision policy (autocast, input casts, loss scaling), gradient
+accumulation over N ``step()`` calls and device placement of batches. Everything else is a method
+of the strategy, called unconditionally: placement, DDP gradient sync only on the last
+accumulation step, loss, backward, global-norm clipping and the optimizer step (the Engine never
+asks which strategy it runs under). Its per-step path does no host synchronisation and no
+allocation a raw loop would not do.
 """
 
 from __future__ import annotations
@@ -74,18 +76,15 @@ class Engine:
         self.strategy = get_strategy(strategy, self.ctx)
         self.strategy.configure(gradient_accumulation=gradient_accumulation, clip_grad_norm=clip_grad_norm)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
-        # Pipeline parallelism runs forward, loss and backward of all microbatches in one schedule
-        # step: engine(x) defers, criterion() records, backward() runs it (kiln.parallel.pipeline).
-        self._pipeline = getattr(self.strategy, "pipeline", None)
         # which batch this rank reads: tensor and pipeline groups share one
         self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion
         self.clip_grad_norm = clip_grad_norm
-        # A strategy that owns the step (DeepSpeed) also owns loss scaling, accumulation and clipping.
-        self._owned = self.strategy.owns_step
-        self.scaler = None if self._owned else self.precision.make_scaler(self.ctx.device)
+        self.scaler = self.strategy.make_scaler(self.precision, self.ctx.device)
         self.device = self.ctx.device
         self._accum = gradient_accumulation
+        # what backward() multiplies the loss by (None: nothing); the setter below keeps it in step
+        self._loss_scale = None if gradient_accumulation == 1 else 1.0 / gradient_accumulation
         self._micro = 0
         self.last_grad_norm: torch.Tensor | None = None
         self._clipped = False  # clip_gradients() ran for the coming optimizer step
@@ -118,35 +117,16 @@ class Engine:
             raise RuntimeError("this Engine has no criterion; pass criterion= to kiln.initialize")
         if self._move:
             args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
-        if self._pipeline is not None and self.model.training and torch.is_grad_enabled():
-            # the loss is computed on the last stage inside backward(); an eval forward returned
-            # the real outputs, so its loss is computed below like any other
-            return self._pipeline.defer_loss(self._criterion, *args, **kwargs)
         if self._autocast:
             with self.precision.autocast(self.device):
-                return self._criterion(*args, **kwargs)
-        return self._criterion(*args, **kwargs)
+                return self.strategy.loss(self.model, self._criterion, *args, **kwargs)
+        return self.strategy.loss(self.model, self._criterion, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
         """Backward of ``loss`` divided by the accumulation count (or times ``weight`` when given,
         which the Trainer uses for microbatches of unequal size), scaled for fp16."""
         self._last_call = "backward"
-        if self._pipeline is not None:  # the schedule applies the same scales per microbatch
-            scale = weight if weight is not None else 1.0 / self._accum
-            self._pipeline.backward(loss, scale=scale, scaler=self.scaler)
-            return
-        if self._owned:
-            self.strategy.backward(self.model, loss, weight if weight is not None else
-                                   (1.0 / self._accum if self._accum > 1 else None))
-            return
-        if weight is not None:
-            loss = loss * weight
-        elif self._accum > 1:
-            loss = loss / self._accum
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        self.strategy.backward(self.model, loss, self._loss_scale if weight is None else weight, self.scaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients at the start of an accumulation cycle; a no-op inside one."""
@@ -171,11 +151,11 @@ class Engine:
         ``before_optimizer_step`` hook). Returns the norm before clipping (None: no clipping)."""
         if self._clipped:
             return self.last_grad_norm
-        if self.clip_grad_norm is None or self._owned:
+        if self.clip_grad_norm is None:
             return None
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-        self.last_grad_norm = self.strategy.clip_grad_norm_(self.model, self.clip_grad_norm)
+        # None when the strategy clips inside its optimizer step (DeepSpeed)
+        self.last_grad_norm = self.strategy.clip_gradients(self.model, self.optimizer, self.clip_grad_norm,
+                                                           self.scaler)
         self._clipped = True
         return self.last_grad_norm
 
@@ -186,18 +166,12 @@ class Engine:
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
-        if self._owned:
-            self.last_grad_norm = self.strategy.optimizer_step(self.model)
-            return
-        scaler = self.scaler
         if self.clip_grad_norm is not None:
             self.clip_gradients()  # a no-op when it already ran for this step
             self._clipped = False
-        if scaler is not None:
-            scaler.step(optimizer)  # skips the update when a gradient is inf/nan
-            scaler.update()  # and lowers the scale then
-        else:
-            optimizer.step()
+        norm = self.strategy.optimizer_step(self.model, optimizer, self.scaler)
+        if norm is not None:  # measured inside the step by a strategy that clips there (DeepSpeed)
+            self.last_grad_norm = norm
 
     def _describe(self) -> str:
         """``Engine.backward (step 5)``: the last Engine call and the optimizer step it belongs to."""
@@ -222,6 +196,7 @@ class Engine:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"gradient_accumulation={value!r} must be an integer >= 1")
         self._accum = value
+        self._loss_scale = None if value == 1 else 1.0 / value
         self._micro = 0
         if value == 1:
             self.strategy.set_grad_sync(self.model, True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -63,8 +63,27 @@ class Auto(Strategy):
             raise RuntimeError("strategy='auto' has not chosen yet: call setup() (the Engine does) first")
         return self.chosen
 
+    def make_scaler(self, precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
+        return self._strategy().make_scaler(precision, device)
+
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         self._strategy().set_grad_sync(model, enabled)
+
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
+             **kwargs: Any) -> torch.Tensor:
+        return self._strategy().loss(model, criterion, *args, **kwargs)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
+                 scaler: torch.amp.GradScaler | None) -> None:
+        self._strategy().backward(model, loss, scale, scaler)
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        return self._strategy().clip_gradients(model, optimizer, max_norm, scaler)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        return self._strategy().optimizer_step(model, optimizer, scaler)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self._strategy().clip_grad_norm_(model, max_norm, norm_type)

@@ -5,8 +5,9 @@ DeepSpeed JSON config (reference doc 002) keeps working. DeepSpeed is optional: 
 strategy says so when it is created, before any process group or model is touched.
 
 How the two engines share the loop: DeepSpeed's engine owns loss scaling, gradient reduction,
-clipping and the optimizer step, so the strategy sets ``owns_step`` and the kiln Engine hands it
-``backward`` and ``optimizer_step``. kiln keeps the accumulation count (as for every strategy) and
+clipping and the optimizer step, so the strategy's ``make_scaler``, ``backward``,
+``clip_gradients`` and ``optimizer_step`` hand them to it (the kiln Engine calls the same methods
+under every strategy). kiln keeps the accumulation count (as for every strategy) and
 tells DeepSpeed where the boundary is with ``set_gradient_accumulation_boundary``, exactly where it
 would switch DDP's gradient sync; the loss arrives already divided by the count
 (``scale_wrt_gas=False``). Settings kiln also has are filled into the config (Composer's rule: the
@@ -74,7 +75,6 @@ class DeepSpeed(Strategy):
     """
 
     name = "deepspeed"
-    owns_step = True
 
     def __init__(self, deepspeed_config: Mapping[str, Any] | str | Path | None = None, **config: Any) -> None:
         _require_deepspeed()
@@ -158,10 +158,21 @@ class DeepSpeed(Strategy):
         # kiln counts the micro-steps; DeepSpeed reduces gradients only on the boundary.
         model.set_gradient_accumulation_boundary(enabled)
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None) -> None:
+    # DeepSpeed's engine scales the loss (its fp16 section), runs backward and steps, clipping
+    # inside the step: kiln makes no scaler and hands over backward and the step.
+    def make_scaler(self, precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
+        return None
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
+                 scaler: torch.amp.GradScaler | None) -> None:
         model.backward(loss if scale is None else loss * scale, scale_wrt_gas=False)
 
-    def optimizer_step(self, model: nn.Module) -> torch.Tensor | None:
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        return None  # gradient_clipping in deepspeed_config: optimizer_step clips and returns the norm
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
         if not self.config.get("gradient_clipping"):
             model.step()
             return None

@@ -23,8 +23,8 @@ from kiln.parallel.fsdp import WrapSpec, apply_fsdp, wrap_targets
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.mesh import ParallelDims, dp_coordinate, dp_mesh
 from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
-from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, stage_count_error, validate_split_points
-from kiln.parallel.strategy import Strategy
+from kiln.parallel.pipeline import (SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error,
+                                    validate_split_points)
 from kiln.parallel.tensor import apply_tp, matching_modules, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def _has_module(module: nn.Module, name: str) -> bool:
     return True
 
 
-class Hybrid(Strategy):
+class Hybrid(PipelineSteps):
     """Several parallelisms at once on a validated 4-D mesh (``pp, dp_replicate, dp_shard, tp``).
 
     Args:

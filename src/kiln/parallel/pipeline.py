@@ -5,7 +5,8 @@ cut before each split point; each rank keeps its stage(s), with the original par
 batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B) runs the forward,
 the loss on the last stage and the backward of every microbatch in one ``schedule.step``.
 
-How the Engine's four calls map onto that one step (the Engine reads ``strategy.pipeline``):
+How the Engine's four calls map onto that one step (through :class:`PipelineSteps`' ``loss`` and
+``backward``, which Pipeline and Hybrid inherit):
 
 =====================  ===========================================================================
 ``out = engine(x)``    the model returns a :class:`PipelineOutput` that only holds ``x``
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["Pipeline", "PipelineOutput", "PipelineRuntime", "validate_split_points", "full_pipeline_state_dict"]
+__all__ = ["Pipeline", "PipelineOutput", "PipelineRuntime", "PipelineSteps", "validate_split_points",
+           "full_pipeline_state_dict"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -286,7 +288,30 @@ def full_pipeline_state_dict(model: PipelineModule) -> dict[str, torch.Tensor]:
     return model.gather_full_state_dict(full_model_state_dict(model))
 
 
-class Pipeline(Strategy):
+class PipelineSteps(Strategy):
+    """The Engine's loss and backward through the pipeline schedule, for a strategy whose ``setup``
+    may build a :class:`PipelineRuntime` in ``self.pipeline`` (Pipeline; Hybrid with ``pp > 1``).
+    Without one (``pipeline`` None) they are the plain ones."""
+
+    pipeline: PipelineRuntime | None = None
+
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
+             **kwargs: Any) -> torch.Tensor:
+        if self.pipeline is not None and model.training and torch.is_grad_enabled():
+            # the loss is computed on the last stage inside backward(); an eval forward returned
+            # the real outputs, so its loss is computed like any other
+            return self.pipeline.defer_loss(criterion, *args, **kwargs)
+        return criterion(*args, **kwargs)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
+                 scaler: torch.amp.GradScaler | None) -> None:
+        if self.pipeline is None:
+            super().backward(model, loss, scale, scaler)
+        else:  # the schedule applies the same scales per microbatch
+            self.pipeline.backward(loss, scale=1.0 if scale is None else scale, scaler=scaler)
+
+
+class Pipeline(PipelineSteps):
     """Pipeline parallelism over all ranks (``strategy="pp"``); with data or tensor parallelism
     inside each stage use :class:`kiln.parallel.Hybrid` (``pp=...``).
 

@@ -2,18 +2,29 @@
 
 A strategy decides how model and optimizer are spread over the world. Each one is a class in its
 own file; adding one is a new file plus one line in ``_BUILTIN`` below (strategy objects, not
-type switches). The Engine asks the strategy four things: wrap (``setup``), whether the next
-backward must synchronise gradients (``set_grad_sync``), the global gradient norm
-(``clip_grad_norm_``), and the plain module underneath (``unwrap``). The checkpoint layer asks for
-model and optimizer state (``state_dict``/``load_state_dict``). A strategy whose own engine runs
-backward and the optimizer step (DeepSpeed) sets ``owns_step`` and implements ``backward`` and
-``optimizer_step``; the Engine then hands both calls over.
+type switches). The Engine calls the strategy's methods unconditionally and never asks which
+strategy it runs under (Lightning Fabric's pattern):
+
+=======================  ======================================================================
+``setup``                wrap model and optimizer
+``make_scaler``          the fp16 loss scaler, if any (DeepSpeed: none, it scales itself)
+``set_grad_sync``        whether the next backward synchronises gradients (before the forward)
+``loss``                 the loss of an Engine forward (Pipeline records it for its schedule)
+``backward``             backward of ``loss * scale`` through the scaler (DeepSpeed: its engine;
+                         Pipeline: the whole schedule)
+``clip_gradients``       unscale and clip to a global norm (``clip_grad_norm_``)
+``optimizer_step``       step the optimizer through the scaler (DeepSpeed: clips inside)
+``unwrap``               the plain module underneath
+=======================  ======================================================================
+
+A strategy overrides only what differs from a single device. The checkpoint layer asks for model
+and optimizer state (``state_dict``/``load_state_dict``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -58,8 +69,6 @@ class Strategy:
     # Set by setup() when only some ranks read different batches (tensor/pipeline groups share one).
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
-    # True when the strategy's own engine scales the loss, runs backward and steps the optimizer.
-    owns_step: ClassVar[bool] = False
     # Set by the Trainer when an algorithm leaves parameters without gradients on some steps;
     # DDP-based strategies pass it to DistributedDataParallel (an explicit ddp kwarg wins).
     find_unused_parameters: bool = False
@@ -73,28 +82,62 @@ class Strategy:
         """Place ``model`` (and its optimizer) on ``ctx``; returns the objects to train with."""
         raise NotImplementedError
 
+    def make_scaler(self, precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
+        """The loss scaler the Engine hands to ``backward``, ``clip_gradients`` and
+        ``optimizer_step`` (None: the precision needs none, or the strategy scales itself)."""
+        return precision.make_scaler(device)
+
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         """Whether the next backward synchronises gradients (off on non-final accumulation steps).
 
-        Called before the forward, because DDP decides at forward time.
+        Called before the forward, because DDP decides at forward time: a flag rather than a
+        context manager, since the Engine's forward and backward are separate calls of user code.
         """
+
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
+             **kwargs: Any) -> torch.Tensor:
+        """``criterion(*args, **kwargs)`` on the outputs of ``model`` (called under the forward's autocast)."""
+        return criterion(*args, **kwargs)
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
+                 scaler: torch.amp.GradScaler | None) -> None:
+        """Backward of ``loss * scale`` (``scale`` None: 1), scaled by ``scaler`` when given (fp16).
+
+        ``scale`` is the Engine's 1/accumulation, or the weight of an unequal microbatch.
+        """
+        if scale is not None:
+            loss = loss * scale
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        loss.backward()
+
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        """Unscale (fp16) and clip to a global norm of ``max_norm``; returns the norm before clipping
+        (None: the strategy clips inside :meth:`optimizer_step`)."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        return self.clip_grad_norm_(model, max_norm)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients to a global norm of ``max_norm``; returns the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type, foreach=True)
 
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        """Step ``optimizer`` (through ``scaler``, which skips an update with inf/nan gradients and
+        lowers its scale then). Returns the gradient norm when the step itself clipped (DeepSpeed),
+        else None: :meth:`clip_gradients` ran before it."""
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return None
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module without wrappers."""
         return model
-
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None) -> None:
-        """Backward of ``loss * scale`` (``scale`` None: 1), for strategies that set ``owns_step``."""
-        raise NotImplementedError(f"strategy {self.name!r} leaves backward to the Engine (owns_step is False)")
-
-    def optimizer_step(self, model: nn.Module) -> torch.Tensor | None:
-        """Step the optimizer (clipping as configured); returns the gradient norm when it clipped.
-        Only for strategies that set ``owns_step``."""
-        raise NotImplementedError(f"strategy {self.name!r} leaves the optimizer step to the Engine (owns_step is False)")
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
                    full: bool = False) -> dict[str, Any]:
