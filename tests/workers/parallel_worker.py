@@ -18,23 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 import kiln
-from kiln.parallel import Auto, Hybrid, Pipeline, TensorParallel, full_model_state_dict, full_pipeline_state_dict
+from kiln.parallel import Auto, full_model_state_dict, full_pipeline_state_dict
 from kiln.parallel.plan import plan_table
-from parallel_model import PLAN, make_data, make_model
+from parallel_model import STRATEGIES, make_data, make_model
 
 CASES = {
-    "ddp": lambda: "ddp",
-    "zero1": lambda: "zero1",
-    "zero2": lambda: "zero2",
-    "zero3": lambda: "zero3",
-    "tp": lambda: TensorParallel(PLAN),
-    "pp_1f1b": lambda: Pipeline(["blocks.2"], schedule="1f1b", microbatches=4),
-    "pp_gpipe": lambda: Pipeline(["blocks.2"], schedule="gpipe", microbatches=4),
-    "pp_interleaved": lambda: Pipeline(["blocks.1", "blocks.2", "blocks.3"], schedule="interleaved1f1b", microbatches=4),
-    "hybrid_fsdp_tp": lambda: Hybrid(dp_shard=2, tp=2, tp_plan=PLAN),
-    "hybrid_hsdp": lambda: Hybrid(dp_replicate=2, dp_shard=2),
-    "hybrid_pp_fsdp": lambda: Hybrid(pp=2, dp_shard=2, split_points=["blocks.2"], microbatches=2),
-    "hybrid_pp_tp": lambda: Hybrid(pp=2, tp=2, tp_plan=PLAN, split_points=["blocks.2"], microbatches=2),
+    **STRATEGIES,
     "zero3_offload": lambda: kiln.parallel.Zero3(cpu_offload=True),
     "zero3_amp_bf16": lambda: ("zero3", "amp_bf16"),
     "auto_big": lambda: Auto(memory_budget=1e12),
