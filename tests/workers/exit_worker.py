@@ -1,8 +1,9 @@
 """A two-rank job that trains a few DDP steps and ends, for the clean-exit tests.
 
-Usage: exit_worker.py [FAIL_RANK]. The script returns right after its last backward, the moment
+Usage: exit_worker.py [FAIL_RANK | destroy]. The script returns right after its last backward, the moment
 at which torch 2.13's gloo threads can still be waiting for the GIL (see kiln/launch/teardown.py).
-With FAIL_RANK, that rank raises after training instead.
+With FAIL_RANK, that rank raises after training instead; with ``destroy`` the script
+ends with its own ``destroy_process_group()``, as many scripts do.
 """
 
 import sys
@@ -15,6 +16,8 @@ ctx = kiln.launch_from_torch()
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
 for _ in range(3):
     model(torch.randn(4, 8)).sum().backward()
-if len(sys.argv) > 1 and ctx.rank == int(sys.argv[1]):
+if sys.argv[1:] == ["destroy"]:
+    torch.distributed.destroy_process_group()
+elif len(sys.argv) > 1 and ctx.rank == int(sys.argv[1]):
     raise RuntimeError(f"planned failure on rank {ctx.rank}")
 print(f"rank {ctx.rank} finished", flush=True)

@@ -49,9 +49,11 @@ def _raised() -> bool:
 
 def teardown() -> None:
     """Let gloo's worker threads release what they hold, then destroy the process group."""
+    # Settle even when the script destroyed the group itself (a common last line): the group object
+    # and its worker threads live on while DDP's reducer holds them, so the race is the same.
+    time.sleep(_SETTLE_SECONDS)  # releases the GIL: the waiting worker threads take it in turn
     if not (dist.is_available() and dist.is_initialized()):
         return
-    time.sleep(_SETTLE_SECONDS)  # releases the GIL: the waiting worker threads take it in turn
     if _raised():
         # Peers may still be inside a collective with this rank; tearing the group down could
         # block. The traceback is printed and the exit status is 1 either way.
