@@ -2,7 +2,7 @@
 tests of ``check_algorithm_compatibility``.
 
 ``MiniLoop`` follows the loop contract event by event (batch -> microbatches -> forward, loss,
-backward -> AFTER_TRAIN_BATCH -> optimizer step -> timestamp -> BATCH_END), so each algorithm is
+backward -> AFTER_TRAIN_BATCH -> BEFORE_OPTIMIZER_STEP -> optimizer step -> timestamp -> BATCH_END), so each algorithm is
 tested on its own events without the rest of the Trainer. ``checkpoint``/``restore`` round-trip
 everything a resume needs through ``torch.save`` and ``torch.load(weights_only=True)``.
 """
@@ -86,7 +86,7 @@ class MiniLoop:
             self.losses.append(state.loss.detach())
         state.batch = batch
         self.run(E.AFTER_TRAIN_BATCH)
-        engine.optimizer_step()
+        engine.optimizer_step(lambda: self.run(E.BEFORE_OPTIMIZER_STEP))
         state.timestamp.advance_batch(samples=size)
         self.run(E.BATCH_END)
 
@@ -173,9 +173,33 @@ def test_each_algorithm_once_and_ema_excludes_swa():
 def test_sam_rules():
     with pytest.raises(ValueError, match="SAM cannot run with MixUp"):
         check_algorithm_compatibility([MixUp(interpolate_loss=True), SAM()])
-    with pytest.raises(ValueError, match="list GradientClipping before SAM"):
-        check_algorithm_compatibility([SAM(), GradientClipping("norm", 1.0)])
+    # GradientClipping runs on BEFORE_OPTIMIZER_STEP, after SAM's second pass, in either order
+    check_algorithm_compatibility([SAM(), GradientClipping("norm", 1.0)])
     check_algorithm_compatibility([GradientClipping("norm", 1.0), SAM(), MixUp()])
+
+
+@pytest.mark.parametrize("order", ["clip_first", "sam_first"])
+def test_gradient_clipping_clips_the_gradient_sam_leaves(order):
+    # The step must use clamp(g(w + e)), the clipped gradient of SAM's second pass, in either order.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    clip, sam = GradientClipping("value", 1e-3), SAM(rho=0.5)
+    MiniLoop(model, [clip, sam] if order == "clip_first" else [sam, clip], lr=1.0).train_batch((x, y))
+    reference = nn.Linear(4, 3)
+    reference.load_state_dict(start)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    grads = [p.grad for p in reference.parameters()]
+    norm = torch.nn.utils.get_total_norm(grads)
+    with torch.no_grad():
+        for p, g in zip(reference.parameters(), grads):
+            p.add_(g * (0.5 / (norm + 1e-12)))
+    reference.zero_grad()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        expected = start[name] - p.grad.clamp(-1e-3, 1e-3)
+        torch.testing.assert_close(q.detach(), expected, rtol=0, atol=1e-7)
 
 
 def test_non_algorithms_are_refused():

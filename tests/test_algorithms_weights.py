@@ -139,9 +139,9 @@ def test_sam_interval_skips_batches():
 
 def _clip_run(algorithm, scale=50.0):
     raw = Probe(kiln.Event.AFTER_TRAIN_BATCH, lambda s: [p.grad.clone() for p in s.model.parameters()])
-    clipped = Probe(kiln.Event.AFTER_TRAIN_BATCH, lambda s: [p.grad.clone() for p in s.model.parameters()])
+    clipped = Probe(kiln.Event.BEFORE_OPTIMIZER_STEP, lambda s: [p.grad.clone() for p in s.model.parameters()])
     model = _model()
-    loop = MiniLoop(model, [clipped, algorithm, raw])  # reverse order on AFTER_*: raw, clip, clipped
+    loop = MiniLoop(model, [raw, algorithm, clipped])  # clipping runs on BEFORE_OPTIMIZER_STEP, in list order
     x, y = _epoch(1)[0]
     loop.train_batch((x * scale, y))
     return raw.seen[0], clipped.seen[0], model

@@ -49,7 +49,8 @@ def test_event_order_two_epochs_with_eval_accumulation_and_checkpoints(tmp_path)
     micro = [Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
              Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD]
     batch = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-             *micro, *micro, Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT]
+             *micro, *micro, Event.AFTER_TRAIN_BATCH, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END,
+             Event.BATCH_CHECKPOINT]
     evaluation = [Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
                   Event.EVAL_BATCH_END, Event.EVAL_END]
     epoch = [Event.EPOCH_START, *batch, *batch, Event.BEFORE_DATALOADER, Event.EPOCH_END, *evaluation,
@@ -181,7 +182,8 @@ def test_stop_training_ends_the_run_cleanly():
 
 _BATCH = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
           Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS, Event.BEFORE_BACKWARD,
-          Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.BATCH_END, Event.BATCH_CHECKPOINT]
+          Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END,
+          Event.BATCH_CHECKPOINT]
 
 
 class _AtBatch(kiln.Callback):

@@ -13,15 +13,22 @@ of the strategy, called unconditionally: placement, DDP gradient sync only on th
 accumulation step, loss, backward, global-norm clipping and the optimizer step (the Engine never
 asks which strategy it runs under). Its per-step path does no host synchronisation and no
 allocation a raw loop would not do.
+
+:meth:`Engine.train_step` is the one home of a whole optimisation step over microbatches: their
+weights, gradient sync only on the last, unscaling and clipping once, the optimizer step, and the
+caller's callbacks at the points between. The Trainer, SAM's second pass, nnScaler's gradient
+reductions and Colossal-AI's ``Trainer(engine=...)`` all go through it; the four-line loop's
+``step()`` ends in the same :meth:`optimizer_step`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from kiln.core.batch import microbatch_weights
 from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
@@ -87,7 +94,7 @@ class Engine:
         self._loss_scale = None if gradient_accumulation == 1 else 1.0 / gradient_accumulation
         self._micro = 0
         self.last_grad_norm: torch.Tensor | None = None
-        self._clipped = False  # clip_gradients() ran for the coming optimizer step
+        self._in_step = False  # train_step() decides gradient sync, not the forward
         # Decided once here so the per-step path is a few attribute reads, not type checks.
         self._move = self.device.type != "cpu"
         self._cast = self.precision.casts_inputs
@@ -103,7 +110,7 @@ class Engine:
             args, kwargs = move_to_device(args, self.device), move_to_device(kwargs, self.device)
         if self._cast:
             args, kwargs = self.precision.cast_input(args), self.precision.cast_input(kwargs)
-        if self._accum > 1:
+        if self._accum > 1 and not self._in_step:
             # Only the last micro-step's backward all-reduces; DDP decides this at forward time.
             self.strategy.set_grad_sync(self.model, self._micro == self._accum - 1)
         if self._autocast:
@@ -145,33 +152,111 @@ class Engine:
         self.optimizer_step()
         return True
 
-    def clip_gradients(self) -> torch.Tensor | None:
-        """Unscale (fp16) and clip to ``clip_grad_norm`` now; the next :meth:`optimizer_step` then
-        steps without clipping again. For code that must run between the two (nnScaler's
-        ``before_optimizer_step`` hook). Returns the norm before clipping (None: no clipping)."""
-        if self._clipped:
-            return self.last_grad_norm
-        if self.clip_grad_norm is None:
-            return None
-        # None when the strategy clips inside its optimizer step (DeepSpeed)
-        self.last_grad_norm = self.strategy.clip_gradients(self.model, self.optimizer, self.clip_grad_norm,
-                                                           self.scaler)
-        self._clipped = True
-        return self.last_grad_norm
+    def optimizer_step(self, before_optimizer_step: Callable[[], None] | None = None) -> None:
+        """Unscale, clip and step now, whatever the accumulation counter says.
 
-    def optimizer_step(self) -> None:
-        """Unscale, clip and step now, whatever the accumulation counter says."""
+        ``before_optimizer_step`` runs on the final gradients: unscaled (fp16) and clipped, with
+        :attr:`last_grad_norm` the norm before clipping. Under DeepSpeed, which clips inside its
+        step, it sees them unclipped.
+        """
         self._last_call = "optimizer_step"
         self._num_steps += 1
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
         if self.clip_grad_norm is not None:
-            self.clip_gradients()  # a no-op when it already ran for this step
-            self._clipped = False
+            # None when the strategy clips inside its optimizer step (DeepSpeed)
+            self.last_grad_norm = self.strategy.clip_gradients(self.model, optimizer, self.clip_grad_norm,
+                                                               self.scaler)
+        elif before_optimizer_step is not None and self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # the callbacks see the true gradients
+        if before_optimizer_step is not None:
+            before_optimizer_step()
         norm = self.strategy.optimizer_step(self.model, optimizer, self.scaler)
         if norm is not None:  # measured inside the step by a strategy that clips there (DeepSpeed)
             self.last_grad_norm = norm
+
+    def train_step(self, microbatches: Sequence[Any], loss_of: Callable[[Any], torch.Tensor], *,
+                   weighting: str | Sequence[float] = "samples",
+                   after_backward: Callable[[], None] | None = None,
+                   after_microbatches: Callable[[torch.Tensor], None] | None = None,
+                   before_optimizer_step: Callable[[], None] | None = None) -> torch.Tensor:
+        """One optimizer step over ``microbatches`` (one micro-step of it when the Engine accumulates).
+
+        In order: zero the gradients (at the start of an accumulation cycle); for each microbatch,
+        ``loss = loss_of(microbatch)`` (the caller's forward and loss, with whatever it fires
+        between) and its backward, times the microbatch's weight, with gradients synchronised only
+        on the step's last backward, then ``after_backward()``; ``after_microbatches(loss)`` with
+        the step's loss (gradients complete, still scaled under fp16); then, once the accumulation
+        cycle is complete, :meth:`optimizer_step`: unscale and clip once, ``before_optimizer_step()``,
+        step. An exception from a callback leaves the step undone (no optimizer step, no count),
+        so a caller may retry the batch (the Trainer does on out-of-memory).
+
+        Args:
+            microbatches: the pieces of one batch (a batch that is not split: a one-element list).
+            loss_of: ``fn(microbatch) -> loss``; runs the forward (through this Engine).
+            weighting: ``"samples"`` (each microbatch by its share of samples: the batch mean),
+                ``"sum"``, ``"tokens"`` (by its share of ``input_ids``) or one float per microbatch;
+                see :func:`kiln.core.batch.microbatch_weights`. Under ``gradient_accumulation`` the
+                weights are divided by it as well.
+            after_backward, after_microbatches, before_optimizer_step: the caller's callbacks.
+
+        Returns:
+            The step's loss: ``loss_of``'s result for one microbatch, else the weighted sum of the
+            (detached) microbatch losses.
+
+        Example::
+
+            loss = engine.train_step(split_batch(batch, 8), lambda mb: engine.criterion(engine(mb[0]), mb[1]))
+        """
+        if self._micro == 0 and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        cycle_ends = self._micro == self._accum - 1
+        loss = self.backward_microbatches(microbatches, loss_of, weighting=weighting, sync=cycle_ends,
+                                          after_backward=after_backward)
+        if after_microbatches is not None:
+            after_microbatches(loss)
+        if cycle_ends:
+            self._micro = 0
+            self.optimizer_step(before_optimizer_step)
+        else:
+            self._micro += 1
+        return loss
+
+    def backward_microbatches(self, microbatches: Sequence[Any], loss_of: Callable[[Any], torch.Tensor], *,
+                              weighting: str | Sequence[float] = "samples", sync: bool = True,
+                              after_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """Forward, loss and weighted backward of each microbatch, adding to the gradients; the
+        last backward synchronises them across ranks when ``sync``. The first half of
+        :meth:`train_step`, for passes that add gradients without a step of their own (SAM's
+        second pass). Returns the step's loss as :meth:`train_step` does."""
+        accum = self._accum
+        weights = microbatch_weights(microbatches, weighting)
+        last = len(microbatches) - 1
+        # DDP decides at forward time whether a backward synchronises: set it per microbatch only when
+        # there is more than one backward per step (a plain step leaves DDP's default on).
+        sync_each = last > 0 or accum > 1
+        strategy, model, scaler = self.strategy, self.model, self.scaler
+        total = loss = None
+        self._in_step = True
+        try:
+            for index, microbatch in enumerate(microbatches):
+                if sync_each:
+                    strategy.set_grad_sync(model, sync and index == last)
+                loss = loss_of(microbatch)
+                self._last_call = "backward"
+                if weights is None:
+                    strategy.backward(model, loss, self._loss_scale, scaler)
+                else:
+                    weight = weights[index]
+                    strategy.backward(model, loss, weight if accum == 1 else weight / accum, scaler)
+                    part = loss.detach() * weight
+                    total = part if total is None else total + part
+                if after_backward is not None:
+                    after_backward()
+        finally:
+            self._in_step = False
+        return loss if total is None else total
 
     def _describe(self) -> str:
         """``Engine.backward (step 5)``: the last Engine call and the optimizer step it belongs to."""

@@ -13,7 +13,7 @@ algorithm                    what it changes                              events
                                                                           AFTER_LOSS, AFTER_BACKWARD
 ``LabelSmoothing``           smooths the targets the loss sees            BEFORE_LOSS, AFTER_BACKWARD
 ``SAM``                      gradient at a nearby worst point             AFTER_TRAIN_BATCH
-``GradientClipping``         clips by norm, value or unit (AGC)           AFTER_TRAIN_BATCH
+``GradientClipping``         clips by norm, value or unit (AGC)           BEFORE_OPTIMIZER_STEP
 ``LayerFreezing``            freezes early layers progressively           FIT_START, BATCH_END
 ``EMA``                      evaluates an average of the weights          BATCH_END, EVAL_START/END
 ``SWA``                      averages weights late in training            BATCH_START/END, EPOCH_END

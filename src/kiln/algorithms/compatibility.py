@@ -25,8 +25,6 @@ def check_algorithm_compatibility(algorithms: Sequence[Algorithm]) -> None:
     3. Not EMA and SWA together: both decide which weights are evaluated.
     4. Not SAM with a loss-interpolating algorithm: SAM's second pass computes ``state.loss_fn``
        only and would take its gradient of a different loss.
-    5. GradientClipping listed before SAM: on ``AFTER_TRAIN_BATCH`` algorithms run in reverse
-       order, and clipping must see the gradient SAM leaves for the step.
 
     Example::
 
@@ -34,7 +32,6 @@ def check_algorithm_compatibility(algorithms: Sequence[Algorithm]) -> None:
         # ValueError: only one loss-interpolating algorithm may run ...
     """
     from kiln.algorithms.ema import EMA
-    from kiln.algorithms.gradient_clipping import GradientClipping
     from kiln.algorithms.sam import SAM
     from kiln.algorithms.swa import SWA
 
@@ -64,10 +61,7 @@ def check_algorithm_compatibility(algorithms: Sequence[Algorithm]) -> None:
     if first(EMA) is not None and first(SWA) is not None:
         raise ValueError(f"EMA and SWA cannot run together in {order}: both replace the weights the model is "
                          "evaluated with; choose one")
-    sam, clipping = first(SAM), first(GradientClipping)
+    sam = first(SAM)
     if sam is not None and interpolating:
         raise ValueError(f"SAM cannot run with {type(interpolating[0]).__name__}(interpolate_loss=True) in {order}: "
                          "SAM's second pass computes state.loss_fn only; use interpolate_loss=False")
-    if sam is not None and clipping is not None and clipping > sam:
-        raise ValueError(f"list GradientClipping before SAM (got {order}): on AFTER_TRAIN_BATCH algorithms run in "
-                         "reverse order, and clipping must apply to the gradient SAM leaves for the optimizer step")

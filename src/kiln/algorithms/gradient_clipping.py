@@ -37,7 +37,7 @@ def clip_adaptive(parameters: list[torch.nn.Parameter], threshold: float, eps: f
 
 
 class GradientClipping(Algorithm):
-    """Clip gradients after they are complete and before the optimizer steps.
+    """Clip the final gradients, just before the optimizer steps.
 
     - ``"norm"``: scale all gradients so their global L2 norm is at most ``clipping_threshold``
       (through the strategy, so sharded gradients are measured as a whole);
@@ -45,10 +45,12 @@ class GradientClipping(Algorithm):
     - ``"adaptive"``: clip each unit's gradient to ``clipping_threshold`` times that unit's weight
       norm (AGC), which lets networks without normalisation layers train at large batch sizes.
 
-    Under fp16 loss scaling the gradients are unscaled first; do not also pass the Trainer's
-    ``clip_grad_norm`` then (the scaler unscales once per step).
+    It runs on ``BEFORE_OPTIMIZER_STEP``, where the Engine has already unscaled fp16 gradients, so
+    it clips the true gradients, after every ``AFTER_TRAIN_BATCH`` change (SAM's second pass,
+    nnScaler's reductions) whatever the order of the algorithm list. With the Trainer's
+    ``clip_grad_norm`` as well, the Engine's clipping comes first.
 
-    Events: ``AFTER_TRAIN_BATCH``.
+    Events: ``BEFORE_OPTIMIZER_STEP``.
 
     Args:
         clipping_type: ``"norm"``, ``"value"`` or ``"adaptive"``.
@@ -69,14 +71,10 @@ class GradientClipping(Algorithm):
         self.last_grad_norm: torch.Tensor | None = None
 
     def match(self, event: Event, state: State) -> bool:
-        return event == Event.AFTER_TRAIN_BATCH
+        return event == Event.BEFORE_OPTIMIZER_STEP
 
     def apply(self, event: Event, state: State, logger: Any) -> None:
         engine = state.engine
-        scaler = getattr(engine, "scaler", None)
-        if scaler is not None:
-            for optimizer in state.optimizers:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if self.clipping_type == "norm":
             if engine is not None:
                 self.last_grad_norm = engine.strategy.clip_grad_norm_(engine.model, self.clipping_threshold)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.algorithms._forward import compute_loss, forward
-from kiln.core.batch import num_samples
+from kiln.core.batch import microbatch_weights
 from kiln.core.callback import Algorithm
 from kiln.core.event import Event
 
@@ -89,17 +89,16 @@ class SAM(Algorithm):
 
     @staticmethod
     def _second_pass(state: State, microbatches: list[Any]) -> None:
-        # Weighted as the Trainer weights microbatches: each by its share of the batch's samples.
+        # Through the Engine's own microbatch backward: the same weights as the first pass
+        # (state.microbatch_weighting), gradient sync only on the last backward.
+        def loss_of(microbatch: Any) -> torch.Tensor:
+            return compute_loss(state, forward(state, microbatch), microbatch)
+
         engine = state.engine
-        count = len(microbatches)
-        sizes = [num_samples(mb) for mb in microbatches]
-        total = sum(sizes)
-        for index, (microbatch, size) in enumerate(zip(microbatches, sizes)):
-            if count > 1 and engine is not None:  # only the last backward all-reduces, as in the first pass
-                engine.strategy.set_grad_sync(engine.model, index == count - 1)
-            loss = compute_loss(state, forward(state, microbatch), microbatch)
-            weight = size / total if count > 1 else None
-            if engine is not None:
-                engine.backward(loss, weight=weight)
-            else:
-                (loss if weight is None else loss * weight).backward()
+        if engine is not None:
+            engine.backward_microbatches(microbatches, loss_of, weighting=state.microbatch_weighting)
+            return
+        weights = microbatch_weights(microbatches, state.microbatch_weighting)  # a hand-built State
+        for index, microbatch in enumerate(microbatches):
+            loss = loss_of(microbatch)
+            (loss if weights is None else loss * weights[index]).backward()

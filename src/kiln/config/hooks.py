@@ -12,8 +12,8 @@ before_zero_grad / after_zero_grad     BEFORE_TRAIN_BATCH / the step's first BEF
 after_aggregate_train_step_outputs     AFTER_TRAIN_BATCH, once outputs are aggregated across ranks
 before_sync_grad / after_sync_grad     AFTER_TRAIN_BATCH (the strategy has synchronised gradients)
 before_gnorm_clip                      AFTER_TRAIN_BATCH, after gradient reduction
-after_gnorm_clip                       AFTER_TRAIN_BATCH, after clipping (``gnorm``: the norm before it)
-before_optimizer_step                  AFTER_TRAIN_BATCH, on the clipped gradients
+after_gnorm_clip                       BEFORE_OPTIMIZER_STEP, clipped (``gnorm``: the norm before it)
+before_optimizer_step                  BEFORE_OPTIMIZER_STEP, on the final (clipped) gradients
 after_optimizer_step                   BATCH_END
 on_train_step_end                      BATCH_END
 on_val_start / on_val_end              EVAL_START / EVAL_END (``val_loss``: ``eval/loss``)
@@ -34,7 +34,7 @@ from kiln.config.components import HookMapConfig
 from kiln.config.reduction import AggregatedOutputs, GradReduction
 from kiln.core.batch import num_samples
 from kiln.core.callback import Callback
-from kiln.trainer.batching import split_batch
+from kiln.core.batch import split_batch
 
 __all__ = ["HOOK_POINTS", "HookCallback", "TrainHook", "hook_from_functions"]
 
@@ -156,12 +156,14 @@ class HookCallback(Callback):
         self.call("before_sync_grad")
         self.call("after_sync_grad")
         self.call("before_gnorm_clip")
+
+    def before_optimizer_step(self, state: Any, logger: Any) -> None:
+        # The Engine has unscaled and clipped once between AFTER_TRAIN_BATCH and this event.
         engine = self.trainer.engine
-        if self.clips and ("after_gnorm_clip" in self.points or "before_optimizer_step" in self.points):
-            gnorm = engine.clip_gradients()  # now, so the hooks below see clipped gradients
+        if "after_gnorm_clip" in self.points:
+            gnorm = (engine.last_grad_norm if self.clips  # an infinite max norm measures without clipping
+                     else engine.strategy.clip_grad_norm_(engine.model, float("inf")))
             self.call("after_gnorm_clip", gnorm)
-        elif "after_gnorm_clip" in self.points:  # an infinite max norm measures without clipping
-            self.call("after_gnorm_clip", engine.strategy.clip_grad_norm_(engine.model, float("inf")))
         self.call("before_optimizer_step")
 
     def batch_end(self, state: Any, logger: Any) -> None:

@@ -15,9 +15,9 @@ option              gradient                                    reported loss
 ``num_batches`` and ``num_tokens`` come from the :class:`AggregatedOutputs` that
 ``aggregate_outputs_fn(loss_outputs, sync_group)`` returns. The Trainer already averages the
 gradients of equal micro-batches over ranks, which is ``mean``; :class:`GradReduction` is added only
-when something else is asked for. It undoes the Trainer's micro-batch weighting in the loss
-(``AFTER_LOSS``) and scales the complete gradients by one factor before clipping and the optimizer
-step (``AFTER_TRAIN_BATCH``), as nnScaler does.
+when something else is asked for. It asks the Engine's step for the plain sum of the micro-batch
+gradients (``state.microbatch_weighting = "sum"``) and scales the complete gradients by one factor
+before clipping and the optimizer step (``AFTER_TRAIN_BATCH``), as nnScaler does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from kiln.core.batch import num_samples
 from kiln.core.callback import Callback
 from kiln.core.model import Model
 from kiln.launch.context import context
@@ -111,21 +110,16 @@ class GradReduction(Callback):
         self.loss_outputs: list[Any] = []
         self.batches: list[Any] = []
         self.last: AggregatedOutputs | None = None
-        self._batch_size = 0
 
     def before_train_batch(self, state: Any, logger: Any) -> None:
-        self._batch_size = num_samples(state.batch)
+        # the Engine adds the micro-batch gradients unweighted; the factor below makes the reduction
+        state.microbatch_weighting = "sum"
         self.loss_outputs, self.batches = [], []
 
     def after_loss(self, state: Any, logger: Any) -> None:
         output = state.outputs if self.end_to_end else (state.loss, state.outputs, state.batch)
         self.loss_outputs.append(_detach(output))
         self.batches.append(state.batch)
-        size = num_samples(state.batch)
-        if size != self._batch_size:
-            # The Trainer weights a micro-batch's backward by size / batch size; undo it, so the
-            # gradients are the plain sum of grad L_i and the factor below makes the reduction.
-            state.loss = state.loss * (self._batch_size / size)
 
     def after_train_batch(self, state: Any, logger: Any) -> None:
         agg = self.aggregate_fn(self.loss_outputs, self.sync_group)

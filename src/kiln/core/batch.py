@@ -1,13 +1,14 @@
-"""Counting the samples of a batch: one rule for the loop, the evaluator, algorithms and hooks."""
+"""Batches: counting their samples and tokens, splitting them into microbatches, and weighting the
+microbatches of one step. One rule each for the loop, the Engine, the evaluator, algorithms and hooks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["num_samples"]
+__all__ = ["num_samples", "num_tokens", "split_batch", "microbatch_weights", "WEIGHTINGS"]
 
 
 def num_samples(batch: Any) -> int:
@@ -52,3 +53,71 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
     elif isinstance(batch, (tuple, list)):
         for item in batch:
             yield from _tensors(item)
+
+
+def num_tokens(batch: Any) -> int:
+    """Tokens in a batch: ``input_ids.numel()`` for dict batches with input_ids, else 0."""
+    if type(batch) in (tuple, list):
+        return 0
+    if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    return 0
+
+
+def split_batch(batch: Any, microbatch_size: int) -> list[Any]:
+    """Split every tensor of ``batch`` along dim 0 into pieces of ``microbatch_size``."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(microbatch_size))
+    if isinstance(batch, (list, tuple)):
+        parts = [split_batch(item, microbatch_size) for item in batch]
+        count = max(len(p) for p in parts)
+        return [type(batch)(p[i] if len(p) > 1 else p[0] for p in parts) for i in range(count)]
+    if isinstance(batch, Mapping):
+        parts = {k: split_batch(v, microbatch_size) for k, v in batch.items()}
+        count = max(len(p) for p in parts.values())
+        return [type(batch)({k: p[i] if len(p) > 1 else p[0] for k, p in parts.items()}) for i in range(count)]
+    return [batch]  # a non-tensor leaf (e.g. a string) is shared by every microbatch
+
+
+WEIGHTINGS = ("samples", "sum", "tokens")
+"""How the microbatch losses of one step add up to the step's loss (see :func:`microbatch_weights`)."""
+
+
+def microbatch_weights(microbatches: Sequence[Any], weighting: str | Sequence[float]) -> list[float] | None:
+    """The factor each microbatch's loss is multiplied by before its backward.
+
+    - ``"samples"``: its share of the step's samples, so that mean losses add up to the mean over
+      the whole batch (what one unsplit batch gives);
+    - ``"sum"``: 1 each, the plain sum (nnScaler's ``grad_reduction: sum`` scales the result itself);
+    - ``"tokens"``: its share of the step's tokens (``input_ids``), for per-token mean losses;
+    - a sequence of floats: those factors.
+
+    Returns None where every factor is 1 (one microbatch weighted by samples or sum), so the
+    backward multiplies by nothing, as a plain loop would.
+
+    Example::
+
+        microbatch_weights([(torch.zeros(3, 2),), (torch.zeros(1, 2),)], "samples")   # [0.75, 0.25]
+    """
+    if not isinstance(weighting, str):
+        weights = [float(w) for w in weighting]
+        if len(weights) != len(microbatches):
+            raise ValueError(f"weighting has {len(weights)} factors for {len(microbatches)} microbatches; "
+                             "give one factor per microbatch")
+        return weights
+    if weighting == "samples":
+        if len(microbatches) == 1:
+            return None
+        sizes = [num_samples(mb) for mb in microbatches]
+        total = sum(sizes)
+        return [size / total for size in sizes]
+    if weighting == "sum":
+        return None if len(microbatches) == 1 else [1.0] * len(microbatches)
+    if weighting == "tokens":
+        tokens = [num_tokens(mb) for mb in microbatches]
+        total = sum(tokens)
+        if total == 0:
+            raise ValueError("weighting='tokens' needs dict microbatches with an 'input_ids' tensor; these hold no "
+                             "tokens: use weighting='samples'")
+        return [count / total for count in tokens]
+    raise ValueError(f"weighting={weighting!r}: expected one of {', '.join(WEIGHTINGS)} or a list of floats")

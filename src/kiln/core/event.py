@@ -33,8 +33,10 @@ class Event(str, Enum):
                     BEFORE_BACKWARD
                     loss.backward()
                     AFTER_BACKWARD
-                AFTER_TRAIN_BATCH             # gradients are complete; the step has not run yet
-                optimizer.step()              # unscale, clip, step; per-batch schedulers step
+                AFTER_TRAIN_BATCH             # gradients are complete (still scaled under fp16)
+                unscale and clip              # once, by the Engine (clip_grad_norm)
+                BEFORE_OPTIMIZER_STEP         # the final gradients: unscaled and clipped
+                optimizer.step()              # per-batch schedulers step after it
                 timestamp += batch            # the batch is counted before BATCH_END
                 BATCH_END
                 if eval is due: <eval loop>   # before the checkpoint, which records its metrics
@@ -76,6 +78,7 @@ class Event(str, Enum):
     BEFORE_BACKWARD = "before_backward"
     AFTER_BACKWARD = "after_backward"
     AFTER_TRAIN_BATCH = "after_train_batch"
+    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
     BATCH_END = "batch_end"
     BATCH_CHECKPOINT = "batch_checkpoint"
     EPOCH_END = "epoch_end"

@@ -68,6 +68,8 @@ class State:
     """The run's configuration, recorded in each checkpoint's manifest (None: the launch context's)."""
     grad_accum: int
     """The number of microbatches a batch is split into."""
+    microbatch_weighting: str
+    """How a step's microbatch losses add up: "samples" (the mean), "sum" or "tokens" (see kiln.core.batch)."""
     # -- time -----------------------------------------------------------------------------------
     timestamp: Timestamp
     """Where the run is: epoch, batch, sample, token; advances before ``BATCH_END``."""
@@ -132,6 +134,7 @@ class State:
         self.dataloader_len = None
         self.eval_dataloader = None
         self.grad_accum = 1
+        self.microbatch_weighting = "samples"
         self.engine = None
         self.loss_fn = None
         self.pending_resume = None

@@ -28,7 +28,7 @@ from kiln.core.batch import num_samples
 from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.data import ShardSampler
-from kiln.trainer.batching import split_batch
+from kiln.core.batch import split_batch
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer

@@ -15,7 +15,8 @@ __all__ = ["EventRunner"]
 # Events inside a training batch, before the timestamp counts it: described with the batch's number.
 _IN_BATCH = frozenset({Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
                        Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
-                       Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH})
+                       Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH,
+                       Event.BEFORE_OPTIMIZER_STEP})
 
 
 def _listens(callback: Callback, event: Event) -> bool:

@@ -1,7 +1,8 @@
 """The Trainer: a whole training run in one object (Composer's Trainer, Colossal-AI's too).
 
-``fit`` holds the loop; ``_train_batch`` the step (microbatches, events, optimizer step). From
-``Trainer.fit`` to ``optimizer.step`` is three calls: fit -> _train_batch -> Engine.optimizer_step.
+``fit`` holds the loop; ``_train_batch`` splits a batch into microbatches and hands them, with the
+events to fire between, to the Engine's step. From ``Trainer.fit`` to ``optimizer.step`` is three
+hops: fit -> _train_batch -> Engine.train_step (-> Engine.optimizer_step -> strategy.optimizer_step).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from kiln.core.batch import num_samples
+from kiln.core.batch import num_samples, num_tokens, split_batch
 from kiln.core.callback import Algorithm, Callback
 from kiln.core.event import Event
 from kiln.core.model import Model
@@ -25,7 +26,6 @@ from kiln.launch import heartbeat
 from kiln.launch.context import context, resolve_device, seed_everything
 from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
 from kiln.loggers.logger import Logger
-from kiln.trainer.batching import num_tokens, split_batch
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
@@ -376,68 +376,71 @@ class Trainer:
         return iterator
 
     def _train_batch(self, batch_size: int) -> None:
-        """One optimizer step over ``state.batch`` (of ``batch_size`` samples): microbatches with
-        their events, then the step."""
-        state, events, engine, opts = self.state, self.events, self.engine, self.options
-        active, run = events.active, events.run
+        """One optimizer step over ``state.batch`` (of ``batch_size`` samples), through
+        :meth:`Engine.train_step`: this method splits the batch and fires the events between."""
+        state, engine, opts = self.state, self.engine, self.options
+        active = self.events.active
         if _BEFORE_TRAIN_BATCH in active:
-            run(_BEFORE_TRAIN_BATCH)
+            self.events.run(_BEFORE_TRAIN_BATCH)
             batch_size = num_samples(state.batch)  # an algorithm may have resized the batch
-        batch = state.batch
+        self._step_batch = batch = state.batch
+        after_backward = self._after_backward if _AFTER_BACKWARD in active else None
+        before_step = self._before_optimizer_step if _BEFORE_OPTIMIZER_STEP in active else None
         while True:
             microbatch_size = opts.microbatch_size(batch_size) if opts.splits_batches else batch_size
+            microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
             try:
-                engine.zero_grad()
-                microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
-                count = len(microbatches)
-                total_loss = None
-                for index, microbatch in enumerate(microbatches):
-                    if count > 1:  # only the last microbatch's backward all-reduces
-                        engine.strategy.set_grad_sync(engine.model, index == count - 1)
-                    state.batch = microbatch
-                    if _BEFORE_FORWARD in active:
-                        run(_BEFORE_FORWARD)
-                    state.outputs = self.forward(state.batch)
-                    if _AFTER_FORWARD in active:
-                        run(_AFTER_FORWARD)
-                    if _BEFORE_LOSS in active:
-                        run(_BEFORE_LOSS)
-                    state.loss = self.loss_fn(state.outputs, state.batch)
-                    if _AFTER_LOSS in active:
-                        run(_AFTER_LOSS)
-                    if _BEFORE_BACKWARD in active:
-                        run(_BEFORE_BACKWARD)
-                    if count > 1:
-                        weight = num_samples(state.batch) / batch_size
-                        engine.backward(state.loss, weight=weight)
-                        # the batch's loss, for logging: microbatch means weighted by their size
-                        part = state.loss.detach() * weight
-                        total_loss = part if total_loss is None else total_loss + part
-                    else:
-                        engine.backward(state.loss)
-                    if _AFTER_BACKWARD in active:
-                        run(_AFTER_BACKWARD)
-                if opts.auto_microbatch and opts.any_rank_oom(False):
-                    opts.halve_microbatch(batch_size)  # another rank ran out of memory:
-                    continue  # retry this batch with the same, smaller microbatch everywhere
-                break
+                engine.train_step(microbatches, self._microbatch_loss, weighting=state.microbatch_weighting,
+                                  after_backward=after_backward, after_microbatches=self._after_microbatches,
+                                  before_optimizer_step=before_step)
+                return
+            except _RetryBatch:  # another rank ran out of memory: retry with the same smaller microbatch
+                opts.halve_microbatch(batch_size)
             except torch.OutOfMemoryError:
                 if not opts.auto_microbatch:
                     raise
                 opts.any_rank_oom(True)
                 opts.halve_microbatch(batch_size)
                 state.outputs = state.loss = None
+                state.batch = batch
                 if engine.device.type == "cuda":
                     torch.cuda.empty_cache()
-        state.batch = batch
-        if total_loss is not None:
-            state.loss = total_loss
-        if _AFTER_TRAIN_BATCH in active:
-            run(_AFTER_TRAIN_BATCH)
-        if engine._accum > 1:
-            engine.step()  # a user's Engine (Colossal-AI form) accumulating over its own step() calls
-        else:
-            engine.optimizer_step()
+
+    # The Engine's train_step calls these between its phases; each fires the Trainer's events there.
+    def _microbatch_loss(self, microbatch: Any) -> torch.Tensor:
+        """Forward and loss of one microbatch, with their events; the loss the backward takes."""
+        state, active, run = self.state, self.events.active, self.events.run
+        state.batch = microbatch
+        if _BEFORE_FORWARD in active:
+            run(_BEFORE_FORWARD)
+        state.outputs = self.forward(state.batch)
+        if _AFTER_FORWARD in active:
+            run(_AFTER_FORWARD)
+        if _BEFORE_LOSS in active:
+            run(_BEFORE_LOSS)
+        state.loss = self.loss_fn(state.outputs, state.batch)
+        if _AFTER_LOSS in active:
+            run(_AFTER_LOSS)
+        if _BEFORE_BACKWARD in active:
+            run(_BEFORE_BACKWARD)
+        return state.loss
+
+    def _after_backward(self) -> None:
+        self.events.run(_AFTER_BACKWARD)
+
+    def _after_microbatches(self, loss: torch.Tensor) -> None:
+        """Gradients complete: the batch and its loss back on the state, then ``AFTER_TRAIN_BATCH``."""
+        opts = self.options
+        if opts.auto_microbatch and opts.any_rank_oom(False):
+            raise _RetryBatch
+        state = self.state
+        state.batch = self._step_batch
+        state.loss = loss
+        if _AFTER_TRAIN_BATCH in self.events.active:
+            self.events.run(_AFTER_TRAIN_BATCH)
+
+    def _before_optimizer_step(self) -> None:
+        self.events.run(_BEFORE_OPTIMIZER_STEP)
 
     def _log_train(self) -> None:
         """Log train/loss (averaged across ranks) and train/lr; called every log_interval batches."""
@@ -518,10 +521,17 @@ class Trainer:
 # Module-level aliases: reading an Enum member through its class costs more than a global.
 _BEFORE_DATALOADER, _AFTER_DATALOADER, _BATCH_START = Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START
 _BEFORE_TRAIN_BATCH, _AFTER_TRAIN_BATCH = Event.BEFORE_TRAIN_BATCH, Event.AFTER_TRAIN_BATCH
+_BEFORE_OPTIMIZER_STEP = Event.BEFORE_OPTIMIZER_STEP
 _BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
 _BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
+
+
+
+class _RetryBatch(Exception):
+    """Another rank ran out of memory in this batch: every rank retries it with smaller microbatches."""
+
 
 _COUNTER = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch", TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
             TimeUnit.SECOND: "total_wct"}
