@@ -20,6 +20,7 @@ _LAZY = {
     "PipelineOutput": "kiln.parallel.pipeline",
     "full_pipeline_state_dict": "kiln.parallel.pipeline",
     "ParallelDims": "kiln.parallel.mesh",
+    "ParallelizeOptions": "kiln.parallel.parallelize",
     "PlanRow": "kiln.parallel.plan",
     "plan_table": "kiln.parallel.plan",
     "clip_grad_norm_": "kiln.parallel.grad_norm",

@@ -50,6 +50,7 @@ class Auto(Strategy):
         row = next(r for r in self.table if r.chosen)
         self.chosen = get_strategy(row.strategy, ctx)
         self.chosen.find_unused_parameters = self.find_unused_parameters
+        self.chosen.parallelize_options = self.parallelize_options
         self.reason = f"{row.strategy}: {row.note}"
         if ctx.is_main:
             from kiln.launch.logging import get_dist_logger

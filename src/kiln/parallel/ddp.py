@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
-    from kiln.launch.context import Context
-    from kiln.precision import Precision
+    from kiln.parallel.parallelize import ParallelizePlan
 
 __all__ = ["DDP"]
 
@@ -30,22 +28,17 @@ class DDP(Strategy):
     """
 
     name = "ddp"
+    steps = ("placement", "float8", "activation_checkpointing", "compile", "data_parallel")
 
     def __init__(self, **ddp_kwargs: Any) -> None:
         self.ddp_kwargs = ddp_kwargs
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        if ctx.world_size == 1:
-            # DDP needs a process group; with one rank it would only add a wrapper.
-            model.to(ctx.device)
-            precision.setup_module(model)
-            return model, optimizer
-        model.to(ctx.device)
-        precision.setup_module(model)
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    def apply_data_parallel(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        if plan.ctx.world_size == 1:
+            return model  # DDP needs a process group; with one rank it would only add a wrapper.
+        device_ids = [plan.ctx.device.index] if plan.ctx.device.type == "cuda" else None
         kwargs = {"find_unused_parameters": self.find_unused_parameters, **self.ddp_kwargs}
-        return DistributedDataParallel(model, device_ids=device_ids, **kwargs), optimizer
+        return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # DDP reads this flag in forward() to decide whether backward all-reduces; setting it is

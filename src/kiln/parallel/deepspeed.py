@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
+from kiln.parallel.parallelize import parallelize
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class DeepSpeed(Strategy):
     """
 
     name = "deepspeed"
+    # deepspeed.initialize places, casts and wraps the model itself: kiln applies none of its steps.
+    steps = ()
 
     def __init__(self, deepspeed_config: Mapping[str, Any] | str | Path | None = None, **config: Any) -> None:
         _require_deepspeed()
@@ -131,6 +134,8 @@ class DeepSpeed(Strategy):
         import deepspeed
 
         self._fill_precision(precision)
+        # no step runs; this refuses compile= / activation_checkpointing= / float8= instead of ignoring them
+        parallelize(self, model, self.parallelize_plan(model, ctx, precision))
         if optimizer is not None:
             # Remember which group each parameter is in: DeepSpeed replaces the groups' parameters
             # with flat partitions, but a checkpoint names them one by one.

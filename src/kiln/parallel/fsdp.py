@@ -9,23 +9,21 @@ until the backward (one all-gather less per step, full-size parameters during th
 
 from __future__ import annotations
 
-import fnmatch
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 
 from kiln.parallel.grad_norm import clip_grad_norm_
-from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+from kiln.parallel.mesh import ParallelDims, dp_coordinate
+from kiln.parallel.parallelize import ParallelizePlan, WrapSpec, _as_list, find_blocks
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["FSDP", "Zero2", "Zero3", "apply_fsdp", "wrap_targets", "mixed_precision_policy"]
-
-WrapSpec = str | type | Iterable[str | type] | None
+__all__ = ["FSDP", "Zero2", "Zero3", "apply_fsdp", "mixed_precision_policy"]
 
 
 def mixed_precision_policy(precision: Precision):
@@ -42,54 +40,6 @@ def mixed_precision_policy(precision: Precision):
     if precision.param_dtype is not None and precision.param_dtype != torch.float32:
         return MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.param_dtype)
     return None
-
-
-def _as_list(wrap: WrapSpec) -> list[str | type]:
-    if wrap is None:
-        return []
-    if isinstance(wrap, (str, type)):
-        return [wrap]
-    return list(wrap)
-
-
-def _default_targets(model: nn.Module) -> list[str]:
-    # The repeated blocks of a model live in a ModuleList/Sequential, so their names end in an
-    # index ("layers.3", "h.0", "blocks.2"); under a traced pipeline stage the class is gone but
-    # the names remain. The shallowest such modules with parameters are the blocks.
-    found = [(name.count("."), name) for name, m in model.named_modules()
-             if name and name.rsplit(".", 1)[-1].isdigit() and any(True for _ in m.parameters())]
-    if not found:
-        return []
-    depth = min(d for d, _ in found)
-    return [name for d, name in found if d == depth]
-
-
-def wrap_targets(model: nn.Module, wrap: WrapSpec = None) -> list[str]:
-    """Names of the modules that get their own ``fully_shard`` (the root always gets one too).
-
-    ``wrap`` entries are module classes, class names (``"Block"``) or name patterns
-    (``"layers.*"``, fnmatch style); ``None`` picks the indexed blocks of the model (``layers.0``,
-    ``layers.1``, ...). A pattern that matches nothing is an error, as a silent no-op would quietly
-    leave the model unsharded.
-    """
-    entries = _as_list(wrap)
-    if not entries:
-        return _default_targets(model)
-    names: list[str] = []
-    for entry in entries:
-        if isinstance(entry, type):
-            hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
-        elif isinstance(entry, str):
-            hits = [n for n, m in model.named_modules()
-                    if n and (type(m).__name__ == entry or fnmatch.fnmatchcase(n, entry))]
-        else:
-            raise ValueError(f"FSDP wrap entry {entry!r} must be a module class, a class name or a name pattern")
-        if not hits:
-            classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"FSDP wrap={entry!r} matches no module of the model; its module classes are "
-                             f"{', '.join(classes)}; name patterns look like 'layers.*'")
-        names.extend(n for n in hits if n not in names)
-    return names
 
 
 def apply_fsdp(model: nn.Module, mesh, precision: Precision, *, reshard_after_forward: bool = True,
@@ -120,7 +70,7 @@ class FSDP(Strategy):
         reshard_after_forward: free the gathered parameters after each block's forward (ZeRO-3,
             least memory) or keep them for the backward (ZeRO-2, one all-gather less).
         wrap: which modules get their own ``fully_shard``: classes, class names or name patterns
-            (see :func:`wrap_targets`); default: the model's indexed blocks.
+            (see :func:`kiln.parallel.parallelize.find_blocks`); default: the model's indexed blocks.
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
 
     Example::
@@ -129,6 +79,7 @@ class FSDP(Strategy):
     """
 
     name = "fsdp"
+    steps = ("placement", "float8", "activation_checkpointing", "compile", "data_parallel")
     default_reshard = True
 
     def __init__(self, *, reshard_after_forward: bool | None = None, wrap: WrapSpec = None,
@@ -138,22 +89,14 @@ class FSDP(Strategy):
         self.cpu_offload = bool(cpu_offload)
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        targets = wrap_targets(model, self.wrap)  # user errors first, before any collective
-        model.to(ctx.device)
-        precision.setup_module(model)
-        if ctx.world_size == 1:
-            return model, optimizer  # sharding over one rank would only add hooks
-        names = parameter_names(model)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
-        apply_fsdp(model, mesh, precision, reshard_after_forward=self.reshard_after_forward, wrap=targets,
-                   cpu_offload=self.cpu_offload)
-        repoint_optimizer(optimizer, names, dict(model.named_parameters()), strategy=self.name)
-        self.data_parallel_rank, self.data_parallel_size = ctx.rank, ctx.world_size
-        return model, optimizer
+    def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
+        blocks = find_blocks(model, self.wrap)  # user errors first, before any collective
+        plan = ParallelizePlan.on_mesh(ParallelDims(dp_shard=ctx.world_size), ctx=ctx, precision=precision,
+                                       options=self.parallelize_options, blocks=blocks, cpu_offload=self.cpu_offload,
+                                       reshard_after_forward=self.reshard_after_forward)
+        # every rank reads its own batch (a world of 1 has no mesh: sharding would only add hooks)
+        self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, plan.dims), plan.dims.dp
+        return plan
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # Without sync FSDP keeps each block's unsharded gradient and reduce-scatters the sum on the

@@ -1,12 +1,11 @@
 """Hybrid parallelism on one ``DeviceMesh``: pipeline x (replicate x shard) data x tensor.
 
-The parallelisms are applied in torchtitan's order, each one call:
-
-1. pipeline: cut the model into stages (this rank keeps its own);
-2. tensor parallel on each stage: it turns Linear weights into DTensors on the ``tp`` mesh;
-3. FSDP2 on each stage over the data-parallel mesh: it shards those DTensors again along the data
-   dimension (2-D parameters) and must come last, because it takes ownership of whatever
-   parameters the module holds when it is applied.
+The parallelisms are applied in :mod:`kiln.parallel.parallelize`'s order (torchtitan's), each one
+step: placement on the whole model; the cut into pipeline stages (this rank keeps its own); then on
+each stage tensor parallelism, which turns Linear weights into DTensors on the ``tp`` mesh, and
+FSDP2 over the data-parallel mesh, which shards those DTensors again along the data dimension
+(2-D parameters) and must come last, because it takes ownership of whatever parameters the module
+holds when it is applied.
 
 ``dp_replicate > 1`` with ``dp_shard > 1`` is HSDP: parameters sharded within a group of
 ``dp_shard`` ranks and replicated across ``dp_replicate`` groups.
@@ -19,27 +18,17 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from kiln.parallel.fsdp import WrapSpec, apply_fsdp, wrap_targets
 from kiln.parallel.grad_norm import clip_grad_norm_
-from kiln.parallel.mesh import ParallelDims, dp_coordinate, dp_mesh
-from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
-from kiln.parallel.pipeline import (SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error,
-                                    validate_split_points)
-from kiln.parallel.tensor import apply_tp, matching_modules, resolve_tp_plan
+from kiln.parallel.mesh import ParallelDims, dp_coordinate
+from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
+from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error, validate_split_points
+from kiln.parallel.tensor import matching_modules, resolve_tp_plan
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
 __all__ = ["Hybrid"]
-
-
-def _has_module(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
 
 
 class Hybrid(PipelineSteps):
@@ -63,6 +52,7 @@ class Hybrid(PipelineSteps):
     """
 
     name = "hybrid"
+    steps = STEPS
 
     def __init__(self, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, *,
                  tp_plan: Mapping[str, Any] | None = None, split_points: Sequence[str] = (),
@@ -79,49 +69,37 @@ class Hybrid(PipelineSteps):
         self.pipeline: PipelineRuntime | None = None
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # Every user error is raised here, before the mesh exists (no collective has run).
         dims = self.dims.resolve(ctx.world_size)
-        plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
+        tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
             error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
             if error:
                 raise ValueError(error)
-        wrap = wrap_targets(model, self.wrap) if dims.dp > 1 else []
-        model.to(ctx.device)
-        precision.setup_module(model)
+        blocks = find_blocks(model, self.wrap)
+        plan = ParallelizePlan.on_mesh(dims, ctx=ctx, precision=precision, options=self.parallelize_options,
+                                       blocks=blocks, tp_plan=tp_plan, reshard_after_forward=self.reshard_after_forward,
+                                       cpu_offload=self.cpu_offload)
         self.resolved_dims = dims
-        if ctx.world_size == 1:
-            return model, optimizer
-        mesh = dims.build_mesh(ctx.device.type)
-        fsdp_mesh, tp_mesh = dp_mesh(mesh, dims), mesh["tp"] if dims.tp > 1 else None
-        self.data_parallel_rank, self.data_parallel_size = dp_coordinate(mesh, dims), dims.dp
+        self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, dims), dims.dp
+        return plan
 
-        def parallelize(module: nn.Module) -> None:
-            if tp_mesh is not None:
-                stage_plan = {p: s for p, s in plan.items() if matching_modules(module, p)}
-                if module is not model:
-                    _restore_split_layers(module, model, stage_plan)
-                apply_tp(module, tp_mesh, stage_plan)
-            if fsdp_mesh is not None:
-                apply_fsdp(module, fsdp_mesh, precision, reshard_after_forward=self.reshard_after_forward,
-                           wrap=[n for n in wrap if _has_module(module, n)], cpu_offload=self.cpu_offload)
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
+              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        plan = self.parallelize_plan(model, ctx, precision)
+        if plan.dims is None or plan.dims.pp == 1:
+            return parallelize(self, model, plan, optimizer=optimizer), optimizer
 
-        if dims.pp > 1:
-            self.pipeline = PipelineRuntime(
-                model, self.split_points, self.schedule, self.microbatches or len(self.split_points) + 1,
-                mesh["pp"].get_group(), mesh.get_local_rank("pp"), dims.pp, ctx.device, precision, optimizer,
-                transform=parallelize)
-            if self.example_input is not None:
-                example = self.example_input
-                self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
-            return self.pipeline.view, optimizer
-        names = parameter_names(model)
-        parallelize(model)
-        repoint_optimizer(optimizer, names, dict(model.named_parameters()), strategy=self.name)
-        return model, optimizer
+        def prepare_stage(stage: nn.Module) -> None:
+            if plan.tp_mesh is not None:
+                stage_plan = {p: s for p, s in plan.tp_plan.items() if matching_modules(stage, p)}
+                _restore_split_layers(stage, model, stage_plan)
+
+        mesh = plan.mesh
+        return self.setup_pipeline(model, optimizer, plan, mesh["pp"].get_group(), mesh.get_local_rank("pp"),
+                                   plan.dims.pp, prepare_stage=prepare_stage), optimizer
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # Under pp > 1 the pipeline schedule sets FSDP's sync for each of its own microbatches.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ParallelDims", "dp_mesh", "dp_coordinate"]
+__all__ = ["ParallelDims", "dp_mesh", "tp_mesh", "dp_coordinate"]
 
 _DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -98,6 +98,13 @@ def dp_mesh(mesh, dims: ParallelDims):
     if dims.dp_shard > 1:
         return mesh["dp_shard"]
     return None
+
+
+def tp_mesh(mesh, dims: ParallelDims):
+    """The sub-mesh tensor parallelism splits layers over (None without TP)."""
+    if mesh is None or dims.tp == 1:
+        return None
+    return mesh["tp"]
 
 
 def dp_coordinate(mesh, dims: ParallelDims) -> int:

@@ -36,6 +36,7 @@ from torch import nn
 
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+from kiln.parallel.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, ParallelizePlan, parallelize
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ class PipelineRuntime:
         group / pp_rank / pp_size: the pipeline process group and this rank's place in it.
         device, precision: where stages run, and the autocast to run them under.
         optimizer: pointed at this rank's parameters once the stages exist.
-        transform: applied to each stage module after it is built (Hybrid: TP, then FSDP).
+        transform: applied, in place, to each stage module after it is built (the per-stage steps of
+            :mod:`kiln.parallel.parallelize`).
     """
 
     def __init__(self, model: nn.Module, split_points: Sequence[str], schedule: str, microbatches: int,
@@ -294,6 +296,34 @@ class PipelineSteps(Strategy):
     Without one (``pipeline`` None) they are the plain ones."""
 
     pipeline: PipelineRuntime | None = None
+    split_points: list[str]
+    schedule: str
+    microbatches: int | None
+    example_input: Any
+
+    def setup_pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: ParallelizePlan,
+                       group: dist.ProcessGroup, pp_rank: int, pp_size: int, *,
+                       prepare_stage: Callable[[nn.Module], None] | None = None) -> nn.Module:
+        """The whole-model steps, then the cut into stages (on the first batch, or now from
+        ``example_input``), then the per-stage steps on each of this rank's stages (see
+        :mod:`kiln.parallel.parallelize`). Returns the module to train with."""
+        model = parallelize(self, model, plan, only=WHOLE_MODEL_STEPS)
+
+        def transform(stage: nn.Module) -> None:
+            if prepare_stage is not None:
+                prepare_stage(stage)
+            # the runtime keeps the stage object: the per-stage steps must work in place
+            if parallelize(self, stage, plan, only=STAGE_STEPS) is not stage:
+                raise TypeError(f"strategy={self.name!r}: a step replaced a pipeline stage instead of changing it "
+                                "in place, which the pipeline cannot run")
+
+        self.pipeline = PipelineRuntime(model, self.split_points, self.schedule,
+                                        self.microbatches or len(self.split_points) + 1, group, pp_rank, pp_size,
+                                        plan.ctx.device, plan.precision, optimizer, transform=transform)
+        if self.example_input is not None:
+            example = self.example_input
+            self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
+        return self.pipeline.view
 
     def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
              **kwargs: Any) -> torch.Tensor:
@@ -328,6 +358,7 @@ class Pipeline(PipelineSteps):
     """
 
     name = "pp"
+    steps = ("placement", "float8", "activation_checkpointing", "compile")
 
     def __init__(self, split_points: Sequence[str] = (), schedule: str = "1f1b", microbatches: int | None = None,
                  example_input: Any = None) -> None:
@@ -348,18 +379,11 @@ class Pipeline(PipelineSteps):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
               precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         validate_split_points(model, self.split_points)  # user errors first, before any collective
-        num_stages = len(self.split_points) + 1
-        error = stage_count_error(num_stages, ctx.world_size, self.schedule)
+        error = stage_count_error(len(self.split_points) + 1, ctx.world_size, self.schedule)
         if error:
             raise ValueError(error)
-        model.to(ctx.device)
-        precision.setup_module(model)
-        self.pipeline = PipelineRuntime(model, self.split_points, self.schedule, self.microbatches or num_stages,
-                                        dist.group.WORLD, ctx.rank, ctx.world_size, ctx.device, precision, optimizer)
-        if self.example_input is not None:
-            example = self.example_input
-            self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
-        return self.pipeline.view, optimizer
+        plan = self.parallelize_plan(model, ctx, precision)
+        return self.setup_pipeline(model, optimizer, plan, dist.group.WORLD, ctx.rank, ctx.world_size), optimizer
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         group = self.pipeline.group if self.pipeline is not None else None

@@ -112,9 +112,9 @@ def memory_budget(budget: int | float | None = None, device: torch.device | None
 
 
 def _largest_block(model: nn.Module) -> int:
-    from kiln.parallel.fsdp import wrap_targets
+    from kiln.parallel.parallelize import find_blocks
 
-    sizes = [sum(p.numel() * p.element_size() for p in model.get_submodule(n).parameters()) for n in wrap_targets(model)]
+    sizes = [sum(p.numel() * p.element_size() for p in model.get_submodule(n).parameters()) for n in find_blocks(model)]
     return max(sizes, default=sum(p.numel() * p.element_size() for p in model.parameters()))
 
 

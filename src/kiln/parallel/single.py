@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-from torch import nn
-
 from kiln.parallel.strategy import Strategy
-
-if TYPE_CHECKING:
-    from kiln.launch.context import Context
-    from kiln.precision import Precision
 
 __all__ = ["SingleDevice"]
 
 
 class SingleDevice(Strategy):
-    """No parallelism: the model on ``ctx.device``.
+    """No parallelism: the model on ``ctx.device``, cast to the precision's storage dtypes.
 
     Example::
 
@@ -25,11 +16,4 @@ class SingleDevice(Strategy):
     """
 
     name = "single"
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        # Module.to and the precision cast replace tensor data in place, so the optimizer's
-        # references to the Parameter objects stay valid.
-        model.to(ctx.device)
-        precision.setup_module(model)
-        return model, optimizer
+    steps = ("placement", "float8", "activation_checkpointing", "compile")

@@ -6,7 +6,7 @@ type switches). The Engine calls the strategy's methods unconditionally and neve
 strategy it runs under (Lightning Fabric's pattern):
 
 =======================  ======================================================================
-``setup``                wrap model and optimizer
+``setup``                wrap model and optimizer: the model through :mod:`kiln.parallel.parallelize`
 ``make_scaler``          the fp16 loss scaler, if any (DeepSpeed: none, it scales itself)
 ``set_grad_sync``        whether the next backward synchronises gradients (before the forward)
 ``loss``                 the loss of an Engine forward (Pipeline records it for its schedule)
@@ -17,8 +17,13 @@ strategy it runs under (Lightning Fabric's pattern):
 ``unwrap``               the plain module underneath
 =======================  ======================================================================
 
-A strategy overrides only what differs from a single device. The checkpoint layer asks for model
-and optimizer state (``state_dict``/``load_state_dict``).
+A strategy overrides only what differs from a single device. ``setup`` runs the model
+transformations the strategy declares in ``steps`` (placement, float8, tensor parallel,
+activation checkpointing, compile, data parallel), always in the order of
+:mod:`kiln.parallel.parallelize`, each through an ``apply_<step>`` method that a strategy may
+override on its own; ``parallelize_plan`` validates the strategy's options and builds its mesh
+before the first step. The checkpoint layer asks for model and optimizer state
+(``state_dict``/``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from torch import nn
+
+from kiln.parallel import parallelize as _steps
+from kiln.parallel.parallelize import ParallelizeOptions, ParallelizePlan, find_blocks, parallelize
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -55,17 +63,24 @@ _REGISTERED: dict[str, type["Strategy"]] = {}
 class Strategy:
     """How a model and its optimizer are placed on the world.
 
-    Subclasses set ``name`` and override what differs from a single device.
+    Subclasses set ``name`` and override what differs from a single device: the ``steps`` they
+    apply, an ``apply_<step>`` method, ``parallelize_plan`` or ``setup`` itself.
 
     Example::
 
-        class MyStrategy(kiln.parallel.Strategy):
-            name = "mine"
-            def setup(self, model, optimizer, ctx, precision): ...
-        kiln.parallel.register_strategy(MyStrategy)
+        class ChannelsLast(kiln.parallel.Strategy):
+            name = "channels_last"
+            def apply_placement(self, model, plan):
+                return super().apply_placement(model, plan).to(memory_format=torch.channels_last)
+        kiln.parallel.register_strategy(ChannelsLast)
     """
 
     name: ClassVar[str] = "base"
+    # The model transformations setup applies (kiln.parallel.parallelize.STEPS gives their order):
+    # a single device's. Strategies add tensor_parallel / data_parallel, or apply none (deepspeed).
+    steps: ClassVar[tuple[str, ...]] = ("placement", "float8", "activation_checkpointing", "compile")
+    # compile= / activation_checkpointing= / float8=, set before setup (all None: those steps do nothing).
+    parallelize_options: ParallelizeOptions = ParallelizeOptions()
     # Set by setup() when only some ranks read different batches (tensor/pipeline groups share one).
     data_parallel_rank: int | None = None
     data_parallel_size: int | None = None
@@ -79,8 +94,37 @@ class Strategy:
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
               precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        """Place ``model`` (and its optimizer) on ``ctx``; returns the objects to train with."""
-        raise NotImplementedError
+        """Place ``model`` (and its optimizer) on ``ctx``; returns the objects to train with.
+
+        The model goes through the declared ``steps``; the optimizer follows any parameter a step
+        replaced (it keeps its object, param groups and hyperparameters)."""
+        plan = self.parallelize_plan(model, ctx, precision)
+        return parallelize(self, model, plan, optimizer=optimizer), optimizer
+
+    # -- the model transformations (kiln.parallel.parallelize runs the declared ones in its order) --
+    def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
+        """What ``setup`` applies. Strategies with options check them here, before any collective,
+        then build their mesh (:meth:`ParallelizePlan.on_mesh`)."""
+        return ParallelizePlan(ctx=ctx, precision=precision, options=self.parallelize_options,
+                               blocks=find_blocks(model))
+
+    def apply_placement(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_placement(model, plan)
+
+    def apply_float8(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_float8(model, plan)
+
+    def apply_tensor_parallel(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_tensor_parallel(model, plan)
+
+    def apply_activation_checkpointing(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_activation_checkpointing(model, plan)
+
+    def apply_compile(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_compile(model, plan)
+
+    def apply_data_parallel(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.fully_shard_blocks(model, plan)
 
     def make_scaler(self, precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
         """The loss scaler the Engine hands to ``backward``, ``clip_gradients`` and

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from kiln.parallel.grad_norm import clip_grad_norm_
-from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+from kiln.parallel.mesh import ParallelDims
+from kiln.parallel.parallelize import ParallelizePlan, find_blocks
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -120,26 +121,17 @@ class TensorParallel(Strategy):
     """
 
     name = "tp"
+    steps = ("placement", "float8", "tensor_parallel", "activation_checkpointing", "compile")
 
     def __init__(self, plan: Mapping[str, Any] | None = None) -> None:
         self.plan = plan
         # TP ranks are one data-parallel replica: they must all read the same batch.
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        from torch.distributed.device_mesh import init_device_mesh
-
+    def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         plan = resolve_tp_plan(model, self.plan)  # user errors first, before any collective
-        model.to(ctx.device)
-        precision.setup_module(model)
-        if ctx.world_size == 1:
-            return model, optimizer
-        names = parameter_names(model)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("tp",))
-        apply_tp(model, mesh, plan)
-        repoint_optimizer(optimizer, names, dict(model.named_parameters()), strategy=self.name)
-        return model, optimizer
+        return ParallelizePlan.on_mesh(ParallelDims(dp_shard=1, tp=ctx.world_size), ctx=ctx, precision=precision,
+                                       options=self.parallelize_options, blocks=find_blocks(model), tp_plan=plan)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm_(model.parameters(), max_norm, norm_type)
