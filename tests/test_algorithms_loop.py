@@ -17,8 +17,16 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.algorithms import (EMA, SAM, SWA, CutMix, GradientClipping, LabelSmoothing, MixUp,
-                             check_algorithm_compatibility)
+from kiln.algorithms import (
+    EMA,
+    SAM,
+    SWA,
+    CutMix,
+    GradientClipping,
+    LabelSmoothing,
+    MixUp,
+    check_algorithm_compatibility,
+)
 from kiln.algorithms._batch import map_tensors, num_samples
 from kiln.core.time import Time
 

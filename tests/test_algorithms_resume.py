@@ -17,9 +17,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import kiln
-from kiln.algorithms import (EMA, SAM, SWA, ChannelsLast, CutMix, GradientClipping, LabelSmoothing, LayerFreezing,
-                             LowPrecisionLayerNorm, MixUp, ProgressiveResizing, SelectiveBackprop, SeqLengthWarmup,
-                             StochasticDepth)
+from kiln.algorithms import (
+    EMA,
+    SAM,
+    SWA,
+    ChannelsLast,
+    CutMix,
+    GradientClipping,
+    LabelSmoothing,
+    LayerFreezing,
+    LowPrecisionLayerNorm,
+    MixUp,
+    ProgressiveResizing,
+    SelectiveBackprop,
+    SeqLengthWarmup,
+    StochasticDepth,
+)
 from kiln.parallel import full_model_state_dict
 from test_resume_full import assert_equal
 

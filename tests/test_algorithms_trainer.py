@@ -11,8 +11,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import kiln
 from kiln.algorithms import EMA, SAM, GradientClipping, LabelSmoothing, MixUp, StochasticDepth
 
-import kiln.trainer.trainer as trainer_module
-
 pytest.importorskip("sklearn")
 
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from kiln.checkpoint import layout
+from kiln.checkpoint import CheckpointError, layout, load_checkpoint, save_checkpoint, verify_checkpoint
 from workers.ckpt_common import build_state, train
 from workers.ckpt_tamper import Evil, rehash  # rehash: an attacker rewrites the manifest too
 

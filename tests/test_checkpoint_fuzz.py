@@ -133,8 +133,8 @@ def test_mutated_manifests_give_one_checkpoint_error_naming_it(pristine, tmp_pat
             where = f"KILN_FUZZ_SEED={seed}, {save_type}/manifest.json: {what}"
             mutated = mutate(original)
             (path / layout.MANIFEST).write_bytes(mutated)
-            for action, fn in (("load_checkpoint", lambda: load_checkpoint(path, build_state(seed=1))),
-                               ("verify_checkpoint", lambda: verify_checkpoint(path))):
+            for action, fn in (("load_checkpoint", lambda p=path: load_checkpoint(p, build_state(seed=1))),
+                               ("verify_checkpoint", lambda p=path: verify_checkpoint(p))):
                 error = _attempt(fn)
                 if error is None:
                     same = json.loads(mutated)  # it loaded, so it parses: it must say what the original says

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from kiln.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from kiln.checkpoint import layout
+from kiln.checkpoint import CheckpointError, layout, load_checkpoint, save_checkpoint, verify_checkpoint
 from workers.ckpt_common import build_state, train
 
 

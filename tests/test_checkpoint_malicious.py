@@ -17,8 +17,15 @@ import pytest
 import torch
 
 from distributed import base_env
-from kiln.checkpoint import (CheckpointError, export_safetensors, inspect_checkpoint, load_checkpoint, merge_checkpoint,
-                             save_checkpoint, verify_checkpoint)
+from kiln.checkpoint import (
+    CheckpointError,
+    export_safetensors,
+    inspect_checkpoint,
+    load_checkpoint,
+    merge_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from kiln.cli.main import main
 from workers.ckpt_common import build_state, train
 from workers.ckpt_tamper import Evil, dcp_bytes_keys, evil_pickles, rehash, replace_dcp_bytes_entry

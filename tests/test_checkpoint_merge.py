@@ -16,9 +16,17 @@ from torch import nn
 
 import kiln
 from distributed import base_env
-from kiln.checkpoint import (CheckpointError, export_safetensors, inspect_checkpoint, load_checkpoint, merge_checkpoint,
-                             save_checkpoint, verify_checkpoint)
-from kiln.checkpoint import layout, offline
+from kiln.checkpoint import (
+    CheckpointError,
+    export_safetensors,
+    inspect_checkpoint,
+    layout,
+    load_checkpoint,
+    merge_checkpoint,
+    offline,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from kiln.cli.main import main
 from workers.ckpt_common import assert_same, build_state, snapshot, train
 

@@ -27,8 +27,9 @@ def test_every_part_of_the_state_round_trips(tmp_path, save_type):
     assert manifest["save_type"] == save_type and manifest["timestamp"]["batch"] == 9
     assert_same(expected, snapshot(restored))
     assert restored.callbacks[0].seen == 9
-    sampler = restored.dataloader.sampler
-    assert (sampler.epoch, sampler.seed, len(sampler)) == (1, 3, 48 - 3 * 8)  # positioned after 3 batches
+    loader = restored.dataloader  # positioned after 3 batches of epoch 1: the rest follows
+    assert (loader.epoch, loader.batch_in_epoch, loader.sample_in_epoch, loader.sampler.seed) == (1, 3, 24, 3)
+    assert sum(len(x) for x, _ in loader) == 48 - 3 * 8
 
 
 def test_grad_scaler_and_accumulation_counter_round_trip(tmp_path):

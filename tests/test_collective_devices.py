@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -131,9 +130,9 @@ def test_colossal_hook_metrics_sum_over_ranks_on_the_context_device(accelerator_
 
 
 def test_auto_microbatch_oom_vote_is_on_the_context_device(accelerator_world):
-    from kiln.trainer.options import TrainerOptions
+    from kiln.trainer.options import MicrobatchOptions
 
-    reached = _reach(lambda: TrainerOptions().any_rank_oom(False))
+    reached = _reach(lambda: MicrobatchOptions().any_rank_oom(False))
     assert reached.devices == [accelerator_world], reached
 
 

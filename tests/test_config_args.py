@@ -15,7 +15,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 import cli_models  # noqa: E402
-
 from kiln.config import (  # noqa: E402
     CheckpointConfig,
     ConfigError,
@@ -90,7 +89,6 @@ def test_nested_errors_name_the_full_path():
 
 def test_every_field_has_a_one_line_doc():
     from kiln.config import components
-
     from kiln.config.compute import ComputeConfig
 
     for cls in [TrainerArgs, ComputeConfig, *(getattr(components, n) for n in components.__all__ if n.endswith("Config"))]:

@@ -40,7 +40,7 @@ def test_config_from_py_yaml_json_and_dict(tmp_path):
     cfg.z = 3
     assert cfg["z"] == 3 and cfg.x.y == 1
     with pytest.raises(AttributeError, match="no key 'nope'"):
-        cfg.nope
+        cfg.nope  # noqa: B018 - reading the missing key is what raises
 
 
 def test_config_file_that_does_not_exist(tmp_path):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kiln
+from distributed import WORKERS  # noqa: E402
 from kiln.launch.context import Context
 from kiln.parallel import FSDP, Hybrid, ParallelDims, Pipeline, TensorParallel, get_strategy
 from kiln.precision import get_precision
-from distributed import WORKERS  # noqa: E402
 
 sys.path.insert(0, str(WORKERS))  # the shared test model lives beside the workers
 from parallel_model import make_model  # noqa: E402

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 import kiln
+import kiln.parallel.parallelize as parallelize_module
+from distributed import WORKERS, check, kiln_run
 from kiln.launch.context import Context
 from kiln.parallel import FSDP, Hybrid, SingleDevice, Strategy, TensorParallel
-import kiln.parallel.parallelize as parallelize_module
 from kiln.parallel.parallelize import STAGE_STEPS, STEPS, WHOLE_MODEL_STEPS, ParallelizeOptions, find_blocks
 from kiln.parallel.strategy import _BUILTIN, _lookup
 from kiln.precision import get_precision
-from distributed import WORKERS, check, kiln_run
 
 sys.path.insert(0, str(WORKERS))  # the shared test model and the recording strategy live beside the workers
 from parallel_model import PLAN, make_model  # noqa: E402

@@ -58,7 +58,7 @@ def test_config_save_types_are_the_checkpoint_layers():
 def test_trainer_checks_save_type_with_the_checkpoint_rule(monkeypatch):
     monkeypatch.setattr(formats, "SAVE_TYPES", (*formats.SAVE_TYPES, "zip"))
     trainer = kiln.Trainer(nn.Linear(2, 2), criterion=nn.MSELoss(), save_type="zip", progress_bar=False)
-    assert trainer.options.save_type == "zip"
+    assert trainer.options.checkpointing.save_type == "zip"
     monkeypatch.undo()
     with pytest.raises(ValueError, match="save_type='zip' is not known; expected one of sharded, deduped, merged"):
         kiln.Trainer(nn.Linear(2, 2), criterion=nn.MSELoss(), save_type="zip", progress_bar=False)

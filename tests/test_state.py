@@ -33,7 +33,7 @@ def test_an_undeclared_attribute_is_refused():
     state = kiln.State(torch.nn.Linear(1, 1))
     with pytest.raises(AttributeError):
         state.not_a_field = 1
-    assert state.loss_fn is None and state.config is None and state.pending_resume is None  # declared, not set yet
+    assert state.loss_fn is None and state.config is None and state.stop_reason is None  # declared, not set yet
 
 
 def _is_state(node: ast.expr) -> bool:

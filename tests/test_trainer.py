@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -125,7 +123,7 @@ class OOMAbove(nn.Module):
 def test_auto_microbatching_halves_on_oom_and_matches_given_size():
     auto = _trainer(model=OOMAbove(4), max_duration="1ep", device_train_microbatch_size="auto")
     auto.fit()
-    assert auto.options.microbatch == 4
+    assert auto.options.microbatching.microbatch == 4
     fixed = _trainer(model=OOMAbove(4), max_duration="1ep", device_train_microbatch_size=4)
     fixed.fit()
     for a, b in zip(auto.state.model.parameters(), fixed.state.model.parameters()):
@@ -150,8 +148,9 @@ def test_kiln_model_with_metrics_and_eval():
             return {"Accuracy": torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")}
 
     model = Net()
-    trainer = kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=16),
-                           torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8), max_duration="3ep",
+    trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
+                           eval_dataloader=torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8),
+                           max_duration="3ep",
                            optimizers=torch.optim.Adam(model.parameters(), lr=0.05), progress_bar=False)
     trainer.fit()
     results = trainer.eval()
@@ -250,7 +249,7 @@ def test_seed_makes_runs_identical_and_deterministic_flag():
     def run():
         torch.manual_seed(0)  # the model is built before the Trainer seeds anything
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
-        t = kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="2ep",
+        t = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="2ep",
                          optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
                          seed=3, progress_bar=False, deterministic=True)
         t.fit()
@@ -345,8 +344,8 @@ def test_resume_is_exact_when_eval_and_checkpoint_share_a_step(tmp_path):
     def make(max_duration, **kw):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 2))
-        return kiln.Trainer(model, torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
-                            torch.utils.data.DataLoader(_data(16, seed=1), batch_size=8, shuffle=True),
+        return kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
+                            eval_dataloader=torch.utils.data.DataLoader(_data(16, seed=1), batch_size=8, shuffle=True),
                             max_duration=max_duration, eval_interval="3ba", optimizers=torch.optim.AdamW(
                                 model.parameters(), lr=0.01), criterion=nn.CrossEntropyLoss(), seed=4,
                             progress_bar=False, **kw)

@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "LaunchError": "kiln.launch.environments",
     "get_dist_logger": "kiln.launch.logging",
     "get_dataloader": "kiln.launch.data",
+    "ResumableLoader": "kiln.launch.loader",
     # precision and engine
     "AMP_TYPE": "kiln.precision",
     "Precision": "kiln.precision",

@@ -74,8 +74,7 @@ class Engine:
                  precision: str | Mapping[str, Any] | Precision | None = None,
                  strategy: str | Strategy | None = "auto", gradient_accumulation: int = 1,
                  clip_grad_norm: float | None = None, ctx: Context | None = None) -> None:
-        if not isinstance(gradient_accumulation, int) or gradient_accumulation < 1:
-            raise ValueError(f"gradient_accumulation={gradient_accumulation!r} must be an integer >= 1")
+        _check_accumulation(gradient_accumulation)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None for no clipping)")
         self.ctx = ctx or context()
@@ -209,8 +208,23 @@ class Engine:
 
             loss = engine.train_step(split_batch(batch, 8), lambda mb: engine.criterion(engine(mb[0]), mb[1]))
         """
-        if self._micro == 0 and self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self.optimizer
+        if self._accum == 1 and len(microbatches) == 1 and (weighting == "samples" or weighting == "sum"):
+            # The common step, the general path below without its bookkeeping (the hot path of the
+            # Trainer: benchmarks/overhead.py): one microbatch, weight 1, DDP's sync left on.
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(microbatches[0])
+            self._last_call = "backward"
+            self.strategy.backward(self.model, loss, None, self.scaler)
+            if after_backward is not None:
+                after_backward()
+            if after_microbatches is not None:
+                after_microbatches(loss)
+            self.optimizer_step(before_optimizer_step)
+            return loss
+        if self._micro == 0 and optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
         cycle_ends = self._micro == self._accum - 1
         loss = self.backward_microbatches(microbatches, loss_of, weighting=weighting, sync=cycle_ends,
                                           after_backward=after_backward)
@@ -278,8 +292,7 @@ class Engine:
 
     @gradient_accumulation.setter
     def gradient_accumulation(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"gradient_accumulation={value!r} must be an integer >= 1")
+        _check_accumulation(value)
         self._accum = value
         self._loss_scale = None if value == 1 else 1.0 / value
         self._micro = 0
@@ -306,6 +319,11 @@ class Engine:
         if "scaler" in state and self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._micro = int(state.get("micro_step", 0))
+
+
+def _check_accumulation(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"gradient_accumulation={value!r} must be an integer >= 1")
 
 
 class GradAccumLRScheduler:

@@ -17,8 +17,9 @@ Colossal-AI's ``fp16=dict(mode=AMP_TYPE.TORCH)`` maps to ``amp_fp16``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, ContextManager, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,7 +98,7 @@ class Precision:
     def setup_module(self, model: nn.Module) -> nn.Module:
         """Cast parameters and floating buffers to their storage dtypes, in place."""
         for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
+            for _name, param in module.named_parameters(recurse=False):
                 if self.param_dtype is not None and param.is_floating_point() and param.dtype != self.param_dtype:
                     param.data = param.data.to(self.param_dtype)
             for name, buf in module.named_buffers(recurse=False):
@@ -105,7 +106,7 @@ class Precision:
                     module._buffers[name] = buf.to(self.buffer_dtype)
         return model
 
-    def autocast(self, device: torch.device | str) -> ContextManager[Any]:
+    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         device_type = torch.device(device).type

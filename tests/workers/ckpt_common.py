@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.checkpoint import restore_rng_after_iter
 from kiln.launch.data import ResumableSampler
 
 
@@ -59,7 +58,8 @@ def build_state(seed: int = 0, precision: str | None = None, callbacks=(), strat
     engine = kiln.Engine(model, optimizer, nn.CrossEntropyLoss(), precision=precision, strategy=strategy)
     g = torch.Generator().manual_seed(5)
     data = torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randint(0, 4, (48,), generator=g))
-    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=ResumableSampler(data, 1, 0, shuffle=True, seed=3))
+    loader = kiln.ResumableLoader(
+        torch.utils.data.DataLoader(data, batch_size=8, sampler=ResumableSampler(data, 1, 0, shuffle=True, seed=3)))
     state = kiln.State(model, optimizers=[optimizer], schedulers=[scheduler], algorithms=[Noise()],
                        callbacks=list(callbacks))
     state.engine, state.dataloader = engine, loader
@@ -68,14 +68,11 @@ def build_state(seed: int = 0, precision: str | None = None, callbacks=(), strat
 
 def train(state, num_batches: int, on_batch=None) -> None:
     """Train ``num_batches`` more batches the way the Trainer does, firing the checkpoint events."""
-    ts, engine, sampler = state.timestamp, state.engine, state.dataloader.sampler
+    ts, engine = state.timestamp, state.engine
     target = ts.batch.value + num_batches
     while ts.batch.value < target:
-        sampler.set_epoch(ts.epoch.value)
-        iterator = iter(state.dataloader)
-        restore_rng_after_iter(state)
         finished = True
-        for batch in iterator:
+        for batch in state.dataloader:  # sets the epoch, continues a resumed one, restores the RNG
             state.batch = batch
             state.algorithms[0].apply(kiln.Event.AFTER_DATALOADER, state, None)
             x, y = state.batch

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.checkpoint import CheckpointSaver, load_checkpoint, restore_rng_after_iter
+from kiln.checkpoint import CheckpointSaver, load_checkpoint
 from kiln.launch.data import ResumableSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +53,7 @@ engine = kiln.Engine(model, optimizer, nn.CrossEntropyLoss(), precision="amp_bf1
 g = torch.Generator().manual_seed(5)
 data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g))
 sampler = ResumableSampler(data, shuffle=True, seed=3)
-loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+loader = kiln.ResumableLoader(torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler))
 
 saver = CheckpointSaver(f"{args.out}/ckpt", interval=args.interval, save_type=args.save_type,
                         save_async=args.save_async, num_checkpoints_to_keep=args.keep)
@@ -67,10 +67,9 @@ if args.resume:
 ts = state.timestamp
 saver.run_event(kiln.Event.FIT_START, state, None)
 while ts.epoch.value < args.epochs and not state.stopped:
-    sampler.set_epoch(ts.epoch.value)  # keeps a resumed skip: same epoch
-    iterator = iter(loader)
-    restore_rng_after_iter(state)  # DataLoader.__iter__ drew from the RNG the checkpoint recorded
-    for batch in iterator:
+    # The loader sets the sampler's epoch, continues a resumed one after what it consumed and puts
+    # back the RNG states that DataLoader.__iter__ drew from.
+    for batch in loader:
         state.batch = batch
         jitter.apply(kiln.Event.AFTER_DATALOADER, state, None)
         x, y = state.batch

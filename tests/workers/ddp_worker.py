@@ -1,6 +1,5 @@
 """2-rank DDP through kiln.initialize: replicas stay identical, accumulation syncs only at the end."""
 
-import os
 import json
 import sys
 

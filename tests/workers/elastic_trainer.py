@@ -26,7 +26,7 @@ class Crash(kiln.Callback):
             os._exit(1)
 
 
-trainer = kiln.Trainer(model, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="3ep",
+trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="3ep",
                        optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), criterion=nn.CrossEntropyLoss(),
                        callbacks=[Crash()], save_folder=f"{out}/ckpt", save_interval="2ba", autoresume=True,
                        seed=3, progress_bar=False)

@@ -1,7 +1,6 @@
 """Brings up a group through the launcher named in argv[1] and proves it works with an all-reduce."""
 
 import json
-import os
 import sys
 
 import torch

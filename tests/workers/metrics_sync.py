@@ -1,7 +1,6 @@
 """2-rank metrics: each rank updates on its own (uneven) share of the data; compute() must give the
 metrics of the whole data set on every rank. Writes rank<r>.json with the synced values."""
 
-import os
 import json
 import sys
 

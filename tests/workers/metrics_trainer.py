@@ -2,7 +2,6 @@
 (2) a fit in which rank 1's loss turns NaN at batch 3: NaNMonitor must stop both ranks there."""
 
 import json
-import os
 import math
 import sys
 

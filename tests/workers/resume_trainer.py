@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.checkpoint.state import rng_state
+from kiln.launch.rng import rng_state
 
 p = argparse.ArgumentParser()
 p.add_argument("out")

@@ -1,7 +1,6 @@
 """The Trainer under 2-rank DDP: per-rank losses, the logged (averaged) loss, counts and weights."""
 
 import json
-import os
 import sys
 
 import torch
@@ -25,7 +24,7 @@ class Record(kiln.Callback):
         losses.append(float(state.loss))
 
 
-trainer = kiln.Trainer(model, torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="2ep",
+trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="2ep",
                        optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
                        callbacks=[Record()], loggers=[FileLogger(f"{out}/log.jsonl")], seed=11, progress_bar=False)
 trainer.fit()

@@ -6,7 +6,6 @@ parameters (the Trainer does, from the algorithm's ``find_unused_parameters``), 
 fails. The global batch is 16 on any world size. Each rank writes OUT/rank<r>.pt with its full weights and the batch count.
 """
 
-import os
 import sys
 
 import torch
@@ -37,7 +36,7 @@ data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
 algorithms = {"stochastic_depth": lambda: kiln.algorithms.StochasticDepth("Block", drop_rate=0.5, seed=3),
               "layer_freezing": lambda: kiln.algorithms.LayerFreezing(freeze_start=0.5, freeze_level=0.6)}
 # global batch 16 on any world size: the sampler interleaves ranks, so 2 ranks see what 1 rank sees
-trainer = kiln.Trainer(model, torch.utils.data.DataLoader(data, batch_size=16 // ctx.world_size), max_duration="2ep",
+trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=16 // ctx.world_size), max_duration="2ep",
                        optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
                        algorithms=[algorithms[algorithm]()], strategy=strategy, seed=0, progress_bar=False)
 trainer.fit()

@@ -9,7 +9,6 @@ Usage: world_change.py OUT [--die-after N] [--autoresume]. 50 samples whose inpu
 import argparse
 import json
 import os
-import sys
 
 import torch
 from torch import nn
@@ -39,7 +38,7 @@ class Record(kiln.Callback):
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.arange(50, dtype=torch.float32)[:, None], torch.zeros(50, dtype=torch.long))
-trainer = kiln.Trainer(nn.Linear(1, 2), torch.utils.data.DataLoader(data, batch_size=3, shuffle=True), max_duration="2ep",
+trainer = kiln.Trainer(nn.Linear(1, 2), train_dataloader=torch.utils.data.DataLoader(data, batch_size=3, shuffle=True), max_duration="2ep",
                        optimizers=None, criterion=nn.CrossEntropyLoss(), callbacks=[Record()], seed=5,
                        save_folder=f"{args.out}/ckpt", save_interval="3ba", autoresume=args.autoresume,
                        progress_bar=False)

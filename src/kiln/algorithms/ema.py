@@ -58,7 +58,8 @@ class EMA(Algorithm):
                 raise ValueError(f"EMA(smoothing={smoothing!r}): smoothing must be in [0, 1)")
             interval = Time.from_input(update_interval or "1ba", TimeUnit.BATCH)
         else:
-            half = Time.from_input(half_life, TimeUnit.BATCH)  # type: ignore[arg-type]
+            assert half_life is not None  # checked above: one of smoothing and half_life is given
+            half = Time.from_input(half_life, TimeUnit.BATCH)
             interval = Time.from_input(update_interval or Time(1, half.unit), TimeUnit.BATCH)
             if half.unit != interval.unit:
                 raise ValueError(f"EMA(half_life={half}, update_interval={interval}): both must be in the same "

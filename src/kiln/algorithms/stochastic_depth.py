@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -18,10 +18,21 @@ if TYPE_CHECKING:
 __all__ = ["StochasticDepth"]
 
 Selector = str | type | Callable[[str, nn.Module], bool]
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+
+if TYPE_CHECKING:
+    class _Patched(nn.Module):
+        """What a patched block carries (for the type checker: no block is an instance of it)."""
+
+        _kiln_base_forward: ClassVar[Callable[..., Any]]
+        _kiln_base_class: ClassVar[type[nn.Module]]
+        _kiln_generator: torch.Generator
+        _kiln_method: str
+        _kiln_checked: bool
+        _kiln_drop_rate: float
 
 
-def _stochastic_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def _stochastic_forward(self: _Patched, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     base_forward = type(self)._kiln_base_forward
     rate = self._kiln_drop_rate
     if not self.training or rate <= 0.0:
@@ -42,7 +53,7 @@ def _stochastic_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: 
     return torch.where(keep.to(x.device).view(-1, *([1] * (x.dim() - 1))), out, x)
 
 
-def _check_shape(block: nn.Module, x: torch.Tensor, out: Any) -> None:
+def _check_shape(block: _Patched, x: torch.Tensor, out: Any) -> None:
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         name = type(block)._kiln_base_class.__name__
@@ -50,7 +61,7 @@ def _check_shape(block: nn.Module, x: torch.Tensor, out: Any) -> None:
                          "choose blocks whose output has the shape of their input (no downsampling)")
 
 
-def _stochastic_class(cls: type) -> type:
+def _stochastic_class(cls: type[nn.Module]) -> type[nn.Module]:
     # A subclass per block class, swapped in with __class__: parameters, state_dict keys and the
     # optimizer's references stay exactly as they were.
     if cls not in _SUBCLASSES:
@@ -115,7 +126,7 @@ class StochasticDepth(SeededAlgorithm):
         self.drop_rate = drop_rate
         self.drop_distribution = drop_distribution
         self.drop_warmup = Time.from_input(drop_warmup, TimeUnit.EPOCH)
-        self.blocks: list[nn.Module] = []
+        self.blocks: list[_Patched] = []
         self._checked: list[bool] | None = None  # loaded before the blocks were patched
 
     def match(self, event: Event, state: State) -> bool:
@@ -141,12 +152,13 @@ class StochasticDepth(SeededAlgorithm):
             raise ValueError(f"StochasticDepth(target_layer_name={self.target_layer_name!r}) matched no module; the "
                              f"model has {', '.join(kinds[:20])}")
         generator = self.generator(state)
-        for _, block in chosen:
-            block.__class__ = _stochastic_class(type(block))
+        for _, module in chosen:
+            module.__class__ = _stochastic_class(type(module))
+            block = cast("_Patched", module)
             block._kiln_generator = generator
             block._kiln_method = self.stochastic_method
             block._kiln_checked = False
-        self.blocks = [block for _, block in chosen]
+        self.blocks = [cast("_Patched", block) for _, block in chosen]
         self._set_rates(0.0 if self.drop_warmup.value > 0 else 1.0)
         if self._checked is not None:
             self._set_checked(self._checked)

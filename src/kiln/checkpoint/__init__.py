@@ -15,10 +15,8 @@ from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.offline import export_safetensors, inspect_checkpoint, merge_checkpoint
 from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from kiln.checkpoint.saver import CheckpointSaver
-from kiln.checkpoint.state import restore_dataloader_position, restore_rng_after_iter
 
 __all__ = [
     "CheckpointError", "CheckpointSaver", "PREEMPTED_EXIT_CODE", "export_safetensors", "inspect_checkpoint",
-    "load_checkpoint", "merge_checkpoint", "restore_dataloader_position", "restore_rng_after_iter",
-    "save_checkpoint", "verify_checkpoint",
+    "load_checkpoint", "merge_checkpoint", "save_checkpoint", "verify_checkpoint",
 ]

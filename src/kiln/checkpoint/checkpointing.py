@@ -153,7 +153,7 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
             ``.pt``/``.pth`` file from ``kiln checkpoint merge`` (no manifest checksums: only its
             structure is checked).
         state: the kiln ``State`` to restore (model, optimizer, schedulers, scaler, timestamp, RNG,
-            sampler position, callbacks, algorithms).
+            the training loader's position, callbacks, algorithms).
         folder: where ``"last"``/``"best"`` live.
         strict: every model tensor must be in the checkpoint and vice versa (shapes must always match).
         verify: check every file's sha256 (each rank checks a share); False checks only sizes.

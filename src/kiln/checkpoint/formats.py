@@ -12,7 +12,7 @@
              dictionary as one file outside any folder, with the manifest inside it (``"manifest"``,
              without the file checksums a single file cannot carry); it loads like a folder.
 
-All types also hold each rank's training state (RNG, sampler, timestamp, ...): ``rank<r>.pt`` for
+All types also hold each rank's training state (RNG, loader position, timestamp, ...): ``rank<r>.pt`` for
 the DCP types, inside ``checkpoint.pt`` for ``merged``.
 """
 

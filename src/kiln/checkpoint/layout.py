@@ -32,6 +32,7 @@ from typing import Any, Iterable
 from kiln.checkpoint.errors import CheckpointError
 
 __all__ = [
+    "check_num_checkpoints_to_keep",
     "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "MANIFEST_CHECKSUM", "LINKS", "checkpoint_name", "is_temporary",
     "temporary_name", "sha256_file", "write_durably", "fsync_dir", "list_files", "hash_files", "write_manifest",
     "read_manifest", "check_manifest", "commit", "update_link", "link_target", "list_checkpoints", "find_latest",
@@ -306,6 +307,13 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def check_num_checkpoints_to_keep(keep: Any, name: str = "num_checkpoints_to_keep") -> int:
+    """The retention count's rule: -1 (keep all) or an int >= 1; ``name`` is the argument's name."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or not (keep == -1 or keep >= 1):
+        raise ValueError(f"{name}={keep!r} must be -1 (keep all) or an int >= 1")
+    return keep
 
 
 def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str] = ()) -> list[str]:

@@ -12,7 +12,6 @@ from kiln.checkpoint.async_save import AsyncCheckpoint, start_async_save
 from kiln.checkpoint.checkpointing import save_checkpoint
 from kiln.checkpoint.formats import check_save_type
 from kiln.checkpoint.preemption import PreemptionHandler
-from kiln.checkpoint.state import restore_rng_after_iter
 from kiln.core.callback import Callback
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
@@ -66,10 +65,7 @@ class CheckpointSaver(Callback):
         if save_async and save_type == "merged":
             raise ValueError("save_async=True needs save_type='sharded' or 'deduped'; a merged checkpoint is "
                              "assembled on rank 0 and cannot be written in the background")
-        if isinstance(num_checkpoints_to_keep, bool) or not isinstance(num_checkpoints_to_keep, int) or \
-                not (num_checkpoints_to_keep == -1 or num_checkpoints_to_keep >= 1):
-            raise ValueError(f"num_checkpoints_to_keep={num_checkpoints_to_keep!r} must be -1 (keep all) or an int >= 1")
-        self.num_checkpoints_to_keep = num_checkpoints_to_keep
+        self.num_checkpoints_to_keep = layout.check_num_checkpoints_to_keep(num_checkpoints_to_keep)
         self.save_async = save_async
         self.intervals = _intervals(interval, every_n_train_steps, every_n_epochs)
         self.best_metric, self.best_mode = _best(save_best)
@@ -98,12 +94,6 @@ class CheckpointSaver(Callback):
         self._saved_name = name if (self.folder / name / layout.MANIFEST).exists() else None  # just resumed from it
         if self.preemption is not None:
             self.preemption.install()
-
-    def before_dataloader(self, state: Any, logger: Any) -> None:
-        # The first fetch after a mid-epoch resume: iter(dataloader) has just drawn its seed from
-        # the RNG the checkpoint restored; put the recorded state back (a no-op otherwise, and
-        # when the loop already did it).
-        restore_rng_after_iter(state)
 
     def batch_checkpoint(self, state: Any, logger: Any) -> None:
         if self._preempted(state, Event.BATCH_CHECKPOINT):

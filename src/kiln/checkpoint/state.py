@@ -7,19 +7,18 @@ Two parts, because they are stored differently:
   ``set_state_dict``, which speak plain modules, DDP, FSDP2 and DTensor alike and key the optimizer
   state by parameter name (so it survives a change of world size);
 - the *training state* of each rank, small and stored per rank: timestamp, schedulers, grad scaler,
-  the Engine's accumulation counter, RNG states (python, numpy, torch, cuda), the sampler position,
-  and callback and algorithm ``state_dict``\\ s.
+  the Engine's accumulation counter, RNG states (python, numpy, torch, cuda), the training loader's
+  position (a :class:`kiln.launch.ResumableLoader`'s ``state_dict``), and callback and algorithm
+  ``state_dict``\\ s.
 
-Bit-exact resume needs one more thing from the loop: ``DataLoader.__iter__`` draws a seed from
-torch's global RNG. An uninterrupted run drew it at the start of the epoch, before the RNG state a
-mid-epoch checkpoint recorded; a resumed run draws it after restoring that state. Call
-:func:`restore_rng_after_iter` right after creating the first iterator of a resumed run to put the
-recorded state back.
+Bit-exact resume needs one more thing: ``DataLoader.__iter__`` draws a seed from torch's global RNG.
+An uninterrupted run drew it at the start of the epoch, before the RNG state a mid-epoch checkpoint
+recorded; a resumed run draws it after restoring that state. A load hands the restored RNG states to
+the loader with its position, and the loader's first ``iter()`` puts them back.
 """
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections import Counter
 from typing import Any, Mapping
@@ -28,10 +27,11 @@ import torch
 
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.serialization import check_loadable
+from kiln.launch.loader import ResumableLoader
+from kiln.launch.rng import rng_state, set_rng_state
 
 __all__ = ["training_objects", "model_optimizer_state", "load_model_optimizer_state", "collect_training_state",
-           "serialize_training_state", "restore_training_state", "rng_state", "set_rng_state",
-           "restore_dataloader_position", "restore_rng_after_iter", "run_config", "resumed_on_same_world"]
+           "serialize_training_state", "restore_training_state", "run_config"]
 
 
 # -- model and optimizer ------------------------------------------------------------------------
@@ -84,41 +84,6 @@ def load_model_optimizer_state(state: Any, saved: Mapping[str, Any], strict: boo
     _strategy(state).load_state_dict(model, optimizer, dict(saved), strict=strict)
 
 
-# -- RNG ----------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states, as plain data (loadable with ``weights_only=True``)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    except ImportError:  # numpy is optional
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    cuda = state.get("cuda")
-    if cuda and torch.cuda.is_available():
-        if len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            warnings.warn(f"the checkpoint has CUDA RNG states for {len(cuda)} devices and this process sees "
-                          f"{torch.cuda.device_count()}; CUDA RNG states are not restored", stacklevel=3)
-
-
 # -- the per-rank training state ----------------------------------------------------------------
 def _keyed(objects: list[Any]) -> dict[str, Any]:
     """Objects by class name, ``Name#1`` for the second of a class: stable when others are added."""
@@ -131,10 +96,6 @@ def _keyed(objects: list[Any]) -> dict[str, Any]:
     return keyed
 
 
-def _sampler(state: Any) -> Any:
-    return getattr(getattr(state, "dataloader", None), "sampler", None)
-
-
 def collect_training_state(state: Any) -> dict[str, Any]:
     engine = getattr(state, "engine", None)
     if engine is not None and getattr(engine, "_micro", 0):
@@ -142,7 +103,7 @@ def collect_training_state(state: Any) -> dict[str, Any]:
                       "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
                       "them; save at accumulation boundaries (after engine.step() returned True)", stacklevel=4)
     scaler = getattr(engine, "scaler", None)
-    sampler = _sampler(state)
+    loader = getattr(state, "dataloader", None)
     return {
         "rank": state.rank,
         "world_size": state.world_size,
@@ -151,7 +112,7 @@ def collect_training_state(state: Any) -> dict[str, Any]:
         "scaler": scaler.state_dict() if scaler is not None else None,
         "engine": {"micro_step": int(getattr(engine, "_micro", 0))} if engine is not None else None,
         "rng": rng_state(),
-        "sampler": sampler.state_dict() if hasattr(sampler, "state_dict") else None,
+        "dataloader": _loader_position(loader),
         "callbacks": {k: cb.state_dict() for k, cb in _keyed(state.callbacks).items()},
         "algorithms": {k: alg.state_dict() for k, alg in _keyed(state.algorithms).items()},
     }
@@ -171,7 +132,8 @@ def serialize_training_state(state: Any) -> bytes:
 def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True,
                            same_world: bool = True) -> None:
     """Put a rank's saved training state back; ``source`` names the file in errors. ``same_world``:
-    the checkpoint was saved by as many ranks as load it (else the sampler re-deals the epoch)."""
+    the checkpoint was saved by as many ranks as load it (for a checkpoint without the loader's own
+    position: else the epoch is re-dealt from the Timestamp's samples)."""
     try:
         state.timestamp.load_state_dict(saved["timestamp"])
     except (KeyError, ValueError, TypeError) as exc:
@@ -194,13 +156,9 @@ def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, re
                 obj.load_state_dict(stored[key])
             elif type(obj).state_dict is not _base_state_dict(kind):
                 warnings.warn(f"{source} has no state for {kind[:-1]} {key}; it starts fresh", stacklevel=3)
-    pending = {"sampler": saved.get("sampler"), "rng": saved["rng"] if restore_rng else None,
-               "mid_epoch": state.timestamp.batch_in_epoch.value > 0, "same_world": same_world}
-    state.pending_resume = pending
     if restore_rng:
         set_rng_state(saved["rng"])
-    if getattr(state, "dataloader", None) is not None:
-        restore_dataloader_position(state)
+    _restore_loader(state, saved, restore_rng, same_world)
 
 
 def _base_state_dict(kind: str) -> Any:
@@ -210,49 +168,43 @@ def _base_state_dict(kind: str) -> Any:
 
 
 # -- resuming the data stream -------------------------------------------------------------------
-def restore_dataloader_position(state: Any) -> None:
-    """Put the sampler where the checkpoint left it: its seed, the epoch, and the samples consumed.
+def _loader_position(loader: Any) -> dict[str, Any] | None:
+    if not isinstance(loader, ResumableLoader):
+        return None
+    position = loader.state_dict()
+    # Mid-epoch its "rng" is rng_state() of this same moment: the checkpoint's "rng", stored once.
+    position.pop("rng")
+    return position
 
-    A sampler with ``skip`` (kiln's ``ResumableSampler``) starts after the consumed samples of the
-    epoch, so nothing is loaded twice. Safe to call more than once.
+
+def _restore_loader(state: Any, saved: Mapping[str, Any], restore_rng: bool, same_world: bool) -> None:
+    """Hand the saved position to ``state.dataloader``, which continues from it at its next ``iter()``.
+
+    A loader that is not a ResumableLoader is wrapped in one, and a State without a loader gets one
+    that holds the position for the loader to come (the Trainer's ``fit(train_dataloader=...)``).
     """
-    pending = state.pending_resume or {}
-    sampler = _sampler(state)
-    if sampler is None:
-        return
-    if pending.get("sampler") is not None and hasattr(sampler, "load_state_dict"):
-        sampler.load_state_dict(pending["sampler"])
-        pending["sampler"] = None
-    ts = state.timestamp
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(ts.epoch.value)
-    batch_size = getattr(state.dataloader, "batch_size", None)
-    same_world = resumed_on_same_world(state)
-    if hasattr(sampler, "skip") and (batch_size or not same_world):
-        from kiln.launch.data import skip_consumed
-
-        skip_consumed(sampler, ts.sample_in_epoch.value, ts.batch_in_epoch.value, batch_size, same_world)
+    position = saved.get("dataloader")
+    if position is None:
+        position = _position_from_timestamp(state, saved, same_world)
+    # The RNG states to put back after iter() are those just restored (and checked doing so); none
+    # when they were not this rank's to restore (another world size).
+    position = {**position, "rng": saved["rng"] if restore_rng else None}
+    loader = getattr(state, "dataloader", None)
+    if not isinstance(loader, ResumableLoader):
+        state.dataloader = loader = ResumableLoader(loader)
+    loader.load_state_dict(position)
 
 
-def resumed_on_same_world(state: Any) -> bool:
-    """Whether the checkpoint last loaded into ``state`` was saved by as many ranks as run now."""
-    return (state.pending_resume or {}).get("same_world", True)
-
-
-def restore_rng_after_iter(state: Any) -> bool:
-    """Re-apply the loaded RNG states once, after the first ``iter(dataloader)`` of a mid-epoch resume.
-
-    Returns True when it did. A no-op after an epoch-boundary checkpoint, where the uninterrupted
-    run also created its iterator after the recorded state.
-    """
-    pending = state.pending_resume
-    if not pending or pending.get("rng") is None:
-        return False
-    rng, pending["rng"] = pending["rng"], None
-    if not pending["mid_epoch"]:
-        return False
-    set_rng_state(rng)
-    return True
+def _position_from_timestamp(state: Any, saved: Mapping[str, Any], same_world: bool) -> dict[str, Any]:
+    """The loader position of a checkpoint written before the loader saved its own (or of a loader
+    that was not a ResumableLoader): the Timestamp's, with the sampler state saved beside it."""
+    ts = state.timestamp  # already restored
+    return {"epoch": ts.epoch.value, "batch_in_epoch": ts.batch_in_epoch.value,
+            # On the world size that saved it, each rank skips its own full batches (None: counted
+            # from them; a hand-written loop's Timestamp may count one rank's samples). On another,
+            # the Trainer's Timestamp counts every rank's samples: the start of the epoch's order.
+            "sample_in_epoch": None if same_world else ts.sample_in_epoch.value,
+            "sampler": saved.get("sampler")}
 
 
 def run_config(state: Any) -> Any:

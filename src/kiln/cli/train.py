@@ -19,10 +19,14 @@ import os
 import sys
 import traceback
 import typing
+from typing import TYPE_CHECKING
 
 from kiln.config.args import TrainerArgs, dump_yaml, load_trainer_args
 from kiln.config.overrides import ConfigError, format_error
-from kiln.config.types import field_docs, type_name
+from kiln.config.types import field_docs, is_dataclass_type, type_name
+
+if TYPE_CHECKING:
+    from kiln.trainer.trainer import Trainer
 
 __all__ = ["add_parser", "fields_help", "train"]
 
@@ -39,18 +43,22 @@ def _field_lines(cls: type, prefix: str = "") -> list[str]:
         annotation, name = hints[f.name], f"{prefix}{f.name}"
         element = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
         arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-        nested = [a for a in arms if dataclasses.is_dataclass(a)] if element is None else []
+        nested = [a for a in arms if is_dataclass_type(a)] if element is None else []
         if nested:
             optional = " | None" if type(None) in typing.get_args(annotation) else ""
             kinds = " | ".join(a.__name__ for a in nested) + optional
             lines.append(f"  --{name}  ({kinds}): {docs.get(f.name, '')}")
             for cls_ in nested:
                 lines += _field_lines(cls_, f"{name}.")
-        elif element is not None and dataclasses.is_dataclass(element):
+        elif element is not None and is_dataclass_type(element):
             lines.append(f"  --{name}  (list[{element.__name__}], default []): {docs.get(f.name, '')}")
             lines += _field_lines(element, f"{name}.N.")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                assert callable(f.default_factory)  # every config field has a default or a default_factory
+                default = f.default_factory()
             lines.append(f"  --{name}  ({type_name(annotation)}, default {default!r}): {docs.get(f.name, '')}")
     return lines
 
@@ -147,7 +155,10 @@ def run_training(trainer_args: TrainerArgs) -> int:
     from kiln.config.trainer_builder import build_trainer
 
     timeout = trainer_args.compute_config.timeout
-    kiln.launch_from_torch(timeout=timeout) if _under_torchrun() else kiln.launch(world_size=1, timeout=timeout)
+    if _under_torchrun():
+        kiln.launch_from_torch(timeout=timeout)
+    else:  # kiln.launch is a package whose module class is callable (kiln/launch/__init__.py)
+        kiln.launch(world_size=1, timeout=timeout)  # type: ignore[operator]  # a callable module
     trainer = build_trainer(trainer_args)
     try:
         if trainer_args.run_mode == "compile":
@@ -159,13 +170,13 @@ def run_training(trainer_args: TrainerArgs) -> int:
     return 0
 
 
-def _summary(trainer: object, args: TrainerArgs) -> None:
-    state = trainer.state  # type: ignore[attr-defined]
+def _summary(trainer: Trainer, args: TrainerArgs) -> None:
+    state = trainer.state
     if state.rank != 0:
         return
     params = sum(p.numel() for p in state.model.parameters())
     print(f"kiln train (compile): model {type(state.model).__name__} with {params:,} parameters; "
-          f"strategy {trainer.engine.strategy!r}; precision {trainer.engine.precision.name}; "  # type: ignore[attr-defined]
+          f"strategy {trainer.engine.strategy!r}; precision {trainer.engine.precision.name}; "
           f"world {state.world_size}; micro_batch_size {args.micro_batch_size} x "
           f"grad_accumulation_steps {args.grad_accumulation_steps} x data-parallel "
           f"{args.data_parallel_size(state.world_size)} = global_batch_size {args.global_batch_size}")

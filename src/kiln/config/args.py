@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 
+from kiln.config.build import TYPE_KEY, VALUE_KEY, VALUE_TYPE_KEY, build_value
 from kiln.config.components import (
     CheckpointConfig,
     CriterionConfig,
@@ -35,7 +37,6 @@ from kiln.config.components import (
     OptimizerConfig,
     check_count,
 )
-from kiln.config.build import TYPE_KEY, VALUE_KEY, VALUE_TYPE_KEY, build_value
 from kiln.config.compute import ComputeConfig
 from kiln.config.overrides import (
     ConfigError,
@@ -47,7 +48,7 @@ from kiln.config.overrides import (
     parse_overrides,
     resolve_references,
 )
-from kiln.config.types import annotation_at, build_dataclass, check_fields, is_text_type, to_plain
+from kiln.config.types import annotation_at, build_dataclass, check_fields, is_dataclass_type, is_text_type, to_plain
 
 __all__ = ["TrainerArgs", "dump_yaml", "load_trainer_args", "typed_overrides"]
 
@@ -252,7 +253,7 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
     parsed = parse_overrides(argv, guess=False, flag=lambda key: _is_flag(key, cfg))
     suffix = "." + VALUE_TYPE_KEY
     value_typed = {key[: -len(suffix)] for key, _, delete in parsed if not delete and key.endswith(suffix)}
-    out = []
+    out: list[tuple[str, Any, bool]] = []
     for key, raw, delete in parsed:
         if not delete and isinstance(raw, str):
             parent, _, last = key.rpartition(".")
@@ -270,7 +271,7 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
     return out
 
 
-def _build_typed_fields(cfg: dict[str, Any], cls: type = None, path: str = "") -> None:
+def _build_typed_fields(cfg: dict[str, Any], cls: type | None = None, path: str = "") -> None:
     """Build, in place, a ``__type``/``__value_type`` dict given for a field that is not itself a
     mapping (nnScaler: ``instance_name: {__type: mypkg.make_name, ...}`` calls the function while the
     config is read). Component ``args`` dicts are left for the builder."""
@@ -282,7 +283,7 @@ def _build_typed_fields(cfg: dict[str, Any], cls: type = None, path: str = "") -
             continue
         where = f"{path}.{name}" if path else name
         arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-        classes = [a for a in arms if dataclasses.is_dataclass(a)]
+        classes = [a for a in arms if is_dataclass_type(a)]
         if classes:
             if len(classes) == 1 and TYPE_KEY not in value and VALUE_TYPE_KEY not in value:
                 _build_typed_fields(value, classes[0], where)
@@ -333,7 +334,7 @@ def _read(source: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any
         from kiln.launch.config import Config
 
         try:
-            return to_plain(Config.from_file(source))
+            return to_plain(Config.from_file(os.fspath(source)))
         except FileNotFoundError:
             raise ConfigError(f"config file {os.fspath(source)!r} does not exist", path=os.fspath(source)) from None
         except Exception as e:  # the file's own code failed: report it on one line

@@ -268,6 +268,7 @@ class LogConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         require(self, "type", f"a logger: one of {', '.join(_BUILTIN_LOGGERS)} or a class name")
+        assert self.type is not None  # require() refused an unset type
         if "." not in self.type:
             name = self.type.lower().removesuffix("logger")
             if name not in _BUILTIN_LOGGERS:

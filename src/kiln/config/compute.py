@@ -111,8 +111,9 @@ class ComputeConfig:
 
     def mesh_degrees(self, pas_policy: str) -> tuple[int, int]:
         """``(tp, pp)`` of the hybrid mesh: the fields, or ``pas_policy: tp``'s split over ``plan_ngpus``."""
-        if self.strategy is None and pas_policy == "tp" and self.tp == self.pp == 1 and (self.plan_ngpus or 1) > 1:
-            return self.plan_ngpus, 1
+        plan = self.plan_ngpus or 1
+        if self.strategy is None and pas_policy == "tp" and self.tp == self.pp == 1 and plan > 1:
+            return plan, 1
         return self.tp, self.pp
 
     @property
@@ -122,6 +123,7 @@ class ComputeConfig:
 
     def strategy_name(self, pas_policy: str, world_size: int) -> str:
         """The kiln strategy this config asks for (before ``"auto"`` is resolved by the world)."""
+        value: object  # the field value that chose the strategy, for the error message
         if self.strategy is not None:
             name, path, value = self.strategy, "compute_config.strategy", self.strategy
         elif self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 or self.dp_shard != -1:

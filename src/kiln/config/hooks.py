@@ -28,13 +28,13 @@ after_setup                            once the Trainer is built (called by ``ki
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kiln.config.components import HookMapConfig
-from kiln.config.reduction import AggregatedOutputs, GradReduction
-from kiln.core.batch import num_samples
+from kiln.config.reduction import AggregatedOutputs, GradReduction, summed_loss
+from kiln.core.batch import num_samples, split_batch
 from kiln.core.callback import Callback
-from kiln.core.batch import split_batch
 
 __all__ = ["HOOK_POINTS", "HookCallback", "TrainHook", "hook_from_functions"]
 
@@ -131,7 +131,7 @@ class HookCallback(Callback):
         self._outputs = []
         if "on_train_step_start" in self.points or "on_train_step_end" in self.points:
             size = num_samples(state.batch)
-            self._batches = split_batch(state.batch, self.trainer.options.microbatch_size(size))
+            self._batches = split_batch(state.batch, self.trainer.options.microbatching.microbatch_size(size))
         self.call("on_train_step_start", self._batches, state.timestamp.batch_in_epoch.value)
 
     def before_train_batch(self, state: Any, logger: Any) -> None:
@@ -188,7 +188,7 @@ class HookCallback(Callback):
                 agg = reduction.aggregate_fn([output], reduction.sync_group)
             else:
                 agg = AggregatedOutputs.aggregate([loss], None)
-            val_loss = agg.loss_sum / agg.num_batches if agg.num_batches else float("nan")
+            val_loss = summed_loss(agg) / agg.num_batches if agg.num_batches else float("nan")
             self.call("after_aggregate_val_step_outputs", agg, val_loss, self._val_index)
         self._val_index += 1
 

@@ -8,7 +8,8 @@ bound to signatures (``inspect.Signature.bind``) with placeholders for what kiln
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kiln.config.build import check_arguments, check_value, import_type
 from kiln.config.components import SAMPLER_FILLED, HookConfig, HookMapConfig
@@ -22,8 +23,9 @@ __all__ = ["check_components", "is_kiln_model_type"]
 _FILLED = object()  # stands for a value kiln provides (parameters, dataset, sampler, ...)
 
 
-def _component(type_name: str, path: str, positional: list[Any], kwargs: dict[str, Any], args_path: str) -> Any:
+def _component(type_name: str | None, path: str, positional: list[Any], kwargs: dict[str, Any], args_path: str) -> Any:
     factory = import_type(type_name, f"{path}.type")
+    assert type_name is not None  # import_type refused an unset type
     if not callable(factory):
         raise ConfigError(format_error(f"{path}.type", type_name, "a class or function"), path=f"{path}.type")
     check_value(kwargs, args_path)

@@ -22,8 +22,9 @@ before clipping and the optimizer step (``AFTER_TRAIN_BATCH``), as nnScaler does
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,8 @@ class AggregatedOutputs:
     aggregated_outputs: Any = None
 
     @classmethod
-    def aggregate(cls, loss_outputs: list[Any], sync_group: Any, loss_fn: Callable[[Any], torch.Tensor] = None,
+    def aggregate(cls, loss_outputs: list[Any], sync_group: Any,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
                   ntokens_fn: Callable[[Any], Any] | None = None) -> AggregatedOutputs:
         """Sum ``loss_fn(output)`` (default: the first element) and ``ntokens_fn(output)`` over all ranks."""
         loss_fn = loss_fn or first_loss
@@ -136,13 +138,20 @@ class GradReduction(Callback):
             grads = [p.grad for p in state.model.parameters() if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor)
-        loss = agg.loss_sum
+        loss = summed_loss(agg)
         if self.loss_reduction == "mean":
             loss = loss / _required(agg.num_batches, "num_batches", "mean")
         elif self.loss_reduction == "per-token-mean":
             loss = loss / _required(agg.num_tokens, "num_tokens", "per-token-mean")
         # the same value on every rank, so the Trainer's cross-rank average for logging keeps it
         state.loss = torch.tensor(loss, dtype=torch.float32, device=getattr(state, "device", None))
+
+
+def summed_loss(agg: AggregatedOutputs) -> float:
+    """``agg.loss_sum``, which every ``aggregate_outputs_fn`` must fill in."""
+    if agg.loss_sum is None:
+        raise TypeError("aggregate_outputs_fn returned AggregatedOutputs with loss_sum=None; expected the summed loss")
+    return agg.loss_sum
 
 
 def _required(value: Any, name: str, reduction: str) -> float:

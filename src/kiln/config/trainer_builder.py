@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def build_precision(spec: str | dict[str, str] | None) -> str | Precision | None
                      input_dtype=dtypes["input"], scaled=dtypes["param"] is torch.float16)
 
 
-def _make(type_name: str, where: str, /, *positional: Any, **kwargs: Any) -> Any:
+def _make(type_name: str | None, where: str, /, *positional: Any, **kwargs: Any) -> Any:
     return import_type(type_name, f"{where}.type")(*positional, **kwargs)
 
 

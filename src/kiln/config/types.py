@@ -18,12 +18,12 @@ import types
 import typing
 from collections.abc import Mapping
 from functools import cache
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeGuard, Union
 
 from kiln.config.overrides import ConfigError, close_match, format_error
 
-__all__ = ["annotation_at", "build_dataclass", "check_fields", "field_docs", "is_text_type", "prefixed",
-           "to_plain", "type_name"]
+__all__ = ["annotation_at", "build_dataclass", "check_fields", "field_docs", "is_dataclass_type", "is_text_type",
+           "prefixed", "to_plain", "type_name"]
 
 _NONE = type(None)
 
@@ -42,6 +42,11 @@ def prefixed(error: ConfigError, parent: str) -> ConfigError:
 @cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def is_dataclass_type(annotation: Any) -> TypeGuard[type]:
+    """``dataclasses.is_dataclass`` on an annotation, which is a class (never an instance)."""
+    return dataclasses.is_dataclass(annotation)
 
 
 def _is_union(annotation: Any) -> bool:
@@ -80,7 +85,7 @@ def is_text_type(annotation: Any) -> bool:
 
 def _expected(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
-    if dataclasses.is_dataclass(annotation):
+    if is_dataclass_type(annotation):
         return f"a mapping of {annotation.__name__} fields"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
@@ -111,7 +116,7 @@ def coerce(value: Any, annotation: Any, path: str) -> Any:
         if value is None and _NONE in args:
             return None
         arms = [a for a in args if a is not _NONE]
-        classes = [a for a in arms if dataclasses.is_dataclass(a)]
+        classes = [a for a in arms if is_dataclass_type(a)]
         if isinstance(value, Mapping) and classes:
             if any(isinstance(value, c) for c in classes):
                 return value
@@ -143,7 +148,7 @@ def coerce(value: Any, annotation: Any, path: str) -> Any:
                 raise ConfigError(format_error(f"{path}.{k}", k, "string keys"), path=f"{path}.{k}")
             out[k] = coerce(v, item, f"{path}.{k}")
         return out
-    if dataclasses.is_dataclass(annotation):
+    if is_dataclass_type(annotation):
         if isinstance(value, annotation):
             return value
         if isinstance(value, Mapping):
@@ -163,7 +168,8 @@ def check_fields(obj: Any) -> None:
 
     Errors name the field relative to ``obj``; :func:`build_dataclass` adds the parents' path.
     """
-    hints = _hints(type(obj))
+    cls: type = type(obj)
+    hints = _hints(cls)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         object.__setattr__(obj, f.name, coerce(value, hints[f.name], f.name))
@@ -234,7 +240,7 @@ def annotation_at(cls: type, dotted: str, cfg: Any = None) -> Any:
     for segment in dotted.split("."):
         if _is_union(annotation):
             arms = [a for a in typing.get_args(annotation) if a is not _NONE]
-            classes = [a for a in arms if dataclasses.is_dataclass(a)]
+            classes = [a for a in arms if is_dataclass_type(a)]
             if classes:
                 annotation = _pick_dataclass(classes, node if isinstance(node, Mapping) else {segment: None})
             elif len(arms) == 1:
@@ -242,7 +248,7 @@ def annotation_at(cls: type, dotted: str, cfg: Any = None) -> Any:
             else:
                 return None
         origin = typing.get_origin(annotation)
-        if dataclasses.is_dataclass(annotation):
+        if is_dataclass_type(annotation):
             annotation = _hints(annotation).get(segment)
             if annotation is None:
                 return None

@@ -92,14 +92,12 @@ class State:
     metrics: dict[str, Any]
     """The latest logged values, e.g. ``{"eval/loss": 0.1}``."""
     dataloader: Any
-    """The training dataloader."""
+    """The training dataloader (the Trainer's: a ``kiln.ResumableLoader``, which a checkpoint positions)."""
     dataloader_len: int | None
     """Batches per training epoch (None if unknown)."""
     eval_dataloader: Any
     """The dataloader of the evaluation running now, or of the last one."""
     # -- resuming and stopping --------------------------------------------------------------------
-    pending_resume: dict[str, Any] | None
-    """What the last checkpoint load could not apply yet (sampler position, RNG states): ``kiln.checkpoint``'s."""
     stop_reason: str | None
     """Why ``stop_training()`` was called (None: it was not)."""
     _stop: bool
@@ -137,7 +135,6 @@ class State:
         self.microbatch_weighting = "samples"
         self.engine = None
         self.loss_fn = None
-        self.pending_resume = None
         self.stop_reason = None
         self._stop = False
 

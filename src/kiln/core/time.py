@@ -130,7 +130,7 @@ class Time:
         raise _bad_string(text)
 
     @classmethod
-    def from_input(cls, value: Time | str | int, default_int_unit: TimeUnit | str = TimeUnit.EPOCH) -> Time:
+    def from_input(cls, value: Time | str | int | float, default_int_unit: TimeUnit | str = TimeUnit.EPOCH) -> Time:
         """Accept a :class:`Time`, a time string, or a plain number in ``default_int_unit``."""
         if isinstance(value, Time):
             return value
@@ -263,7 +263,9 @@ class Time:
 
     def __truediv__(self, other: object) -> Time | float:
         if isinstance(other, (Time, str)):
-            return self._value / self._other_value(other, "divide")  # type: ignore[operator]
+            value = self._other_value(other, "divide")
+            assert value is not None  # a Time or a time string always has a value
+            return self._value / value
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             return NotImplemented
         return self._scaled(self._value / other)
@@ -340,6 +342,17 @@ class Timestamp:
     """
 
     __slots__ = tuple("_" + name for name in _FIELDS)
+    # The slots, declared for the type checker (it cannot read a computed __slots__).
+    _epoch: int
+    _batch: int
+    _sample: int
+    _token: int
+    _batch_in_epoch: int
+    _sample_in_epoch: int
+    _token_in_epoch: int
+    _total_wct: float
+    _epoch_wct: float
+    _batch_wct: float
 
     def __init__(self, epoch: int | Time = 0, batch: int | Time = 0, sample: int | Time = 0, token: int | Time = 0,
                  batch_in_epoch: int | Time = 0, sample_in_epoch: int | Time = 0, token_in_epoch: int | Time = 0,
@@ -427,7 +440,7 @@ class Timestamp:
         unknown = sorted(set(fields) - set(_FIELDS))
         if unknown:
             raise TypeError(f"Timestamp.copy() got unknown field(s) {unknown}; the fields are {list(_FIELDS)}")
-        values = self.state_dict()
+        values: dict[str, Any] = self.state_dict()
         for name, value in fields.items():
             if value is not None:
                 values[name] = _seconds(value) if name in _CLOCKS else value
@@ -442,7 +455,7 @@ class Timestamp:
         if unknown:
             raise ValueError(f"unknown Timestamp keys {sorted(unknown)}; expected {list(_FIELDS)}")
         for name in _COUNTERS:
-            value = state_dict.get(name, 0)
+            value: Any = state_dict.get(name, 0)
             value = value.value if isinstance(value, Time) else value
             try:  # operator.index also takes numpy and 0-d tensor ints from a loaded checkpoint
                 count = -1 if isinstance(value, bool) else operator.index(value)

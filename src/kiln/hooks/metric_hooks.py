@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kiln.hooks.base import BaseHook
 from kiln.hooks.metrics import AccuracyMetric, HookMetric, LossMetric, ThroughputMetric

@@ -10,7 +10,8 @@ CPU tensors, NCCL only GPU ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torchmetrics import SumMetric

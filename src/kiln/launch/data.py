@@ -14,7 +14,7 @@ from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSam
 from kiln.launch.context import context
 
 __all__ = ["ResumableSampler", "WorkerSeeded", "ShardSampler", "get_dataloader", "ensure_distributed_sampler",
-           "with_resumable_sampler", "skip_consumed"]
+           "with_resumable_sampler"]
 
 
 class ResumableSampler(DistributedSampler):
@@ -161,23 +161,6 @@ class WorkerSeeded(Dataset):
         if name == "dataset" or name.startswith("__"):
             raise AttributeError(name)  # not set yet (unpickling), or a protocol method: not the wrapped one's
         return getattr(self.dataset, name)
-
-
-def skip_consumed(sampler: Any, samples_in_epoch: int, batches_in_epoch: int, batch_size: int | None,
-                  same_world: bool = True) -> None:
-    """Start ``sampler`` after what was consumed of this epoch before a checkpoint.
-
-    On the world size that saved it, each rank skips its own ``batches_in_epoch * batch_size``
-    samples. On another one a :class:`ResumableSampler` skips the first ``samples_in_epoch`` of the
-    epoch's global order, which must then count every data-parallel rank's samples (the Trainer's
-    Timestamp does), and deals the rest to the new ranks.
-    """
-    if not same_world and hasattr(sampler, "skip_world"):
-        sampler.skip_world(samples_in_epoch)
-    elif batch_size:
-        sampler.skip(batches_in_epoch * batch_size)
-    else:
-        raise ValueError("mid-epoch resume needs a DataLoader with batch_size set to skip consumed samples")
 
 
 def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,

@@ -29,6 +29,10 @@ class Logger:
         state: The Trainer's ``kiln.State``; when set, ``log_metrics`` without a ``step`` uses
             the current batch count (``state.timestamp.batch.value``).
 
+    Attributes:
+        latest: The last value written on this rank of each metric, as a Python number (what
+            the progress bar shows, without reading the device again).
+
     Example::
 
         logger = Logger([ConsoleLogger(), FileLogger("runs/metrics.jsonl")])
@@ -56,6 +60,7 @@ class Logger:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
         self.state = state
+        self.latest: dict[str, Any] = {}
 
     def _writing(self) -> list[LoggerDestination]:
         """The destinations that write on this rank."""
@@ -69,6 +74,7 @@ class Logger:
         if step is None and self.state is not None:
             step = int(self.state.timestamp.batch.value)
         values = _metrics_to_python(metrics)
+        self.latest.update(values)
         for destination in destinations:
             # A copy each, so a destination that edits its dict cannot change what the next sees.
             destination.log_metrics(dict(values), step)

@@ -10,8 +10,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from kiln.parallel.state_dict import full_model_state_dict
-from kiln.parallel.strategy import _BUILTIN, Strategy, get_strategy, register_strategy, strategy_names
+from kiln.parallel.state_dict import full_model_state_dict as full_model_state_dict
+from kiln.parallel.strategy import _BUILTIN
+from kiln.parallel.strategy import Strategy as Strategy
+from kiln.parallel.strategy import get_strategy as get_strategy
+from kiln.parallel.strategy import register_strategy as register_strategy
+from kiln.parallel.strategy import strategy_names as strategy_names
 
 # public name -> module that defines it: every strategy class of the registry (strategy.py, the
 # one list of them), then the other public names.

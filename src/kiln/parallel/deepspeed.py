@@ -23,8 +23,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -271,7 +272,7 @@ class DeepSpeed(Strategy):
                 if key != "params" and f"param_groups.{name}.{key}" in flat:
                     group[key] = flat[f"param_groups.{name}.{key}"]
         first = next(n for n, p in params.items() if p.requires_grad)
-        for key, value in sample.items():  # the shared entries (Adam's step), the same in every group
+        for key in sample:  # the shared entries (Adam's step), the same in every group
             if key in per_param or f"state.{first}.{key}" not in flat:
                 continue
             for entry in base.state.values():

@@ -9,7 +9,8 @@ until the backward (one all-gather less per step, full-size parameters during th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn

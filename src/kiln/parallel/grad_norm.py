@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,7 @@ param group stay, and so does the object, so an LR scheduler the user built on i
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

@@ -51,8 +51,9 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 

@@ -28,7 +28,8 @@ every rank. The traced shapes are fixed: every batch must have the shape of the 
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist

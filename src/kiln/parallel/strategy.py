@@ -29,7 +29,8 @@ before the first step. The checkpoint layer asks for model and optimizer state
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ _BUILTIN: dict[str, str] = {
     "deepspeed": "kiln.parallel.deepspeed:DeepSpeed",
     "auto": "kiln.parallel.auto:Auto",
 }
-_REGISTERED: dict[str, type["Strategy"]] = {}
+_REGISTERED: dict[str, type[Strategy]] = {}
 
 
 class Strategy:

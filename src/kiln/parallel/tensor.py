@@ -11,7 +11,8 @@ the same batch: the group is one data-parallel replica.
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn

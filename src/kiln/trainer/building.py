@@ -7,7 +7,8 @@ Kept apart from ``trainer.py`` so that file holds the loop; everything here runs
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -20,15 +20,15 @@ Metrics therefore equal a one-process evaluation of the same weights on every ra
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kiln.core.batch import num_samples
+from kiln.core.batch import num_samples, split_batch
 from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.data import ShardSampler
-from kiln.core.batch import split_batch
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer

@@ -3,7 +3,8 @@ built once so an event nobody listens to costs one dict lookup."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kiln.core.callback import Algorithm, Callback
 from kiln.core.event import Event

@@ -18,7 +18,8 @@ FIT_END                after_train
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kiln.core.callback import Callback
 from kiln.core.event import Event

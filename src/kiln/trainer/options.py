@@ -1,5 +1,11 @@
-"""Validation of the Trainer's arguments, and the small decisions the loop asks of them
-(is evaluation due, what microbatch size, how often to log)."""
+"""The Trainer's arguments, grouped and validated, and the small decisions the loop asks of them
+(is evaluation due, what microbatch size, how often to log).
+
+Each group is a dataclass whose fields carry the Trainer's argument names and whose
+``__post_init__`` checks them, so a bad value fails when the Trainer is built, with one line that
+names the argument, the value and what was expected. Each rule is written once: rules that belong
+to another layer (the checkpoint save types, retention) are that layer's functions, called here.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,16 @@ import torch
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
 
-__all__ = ["TrainerOptions", "resolve_duration"]
+__all__ = ["TrainerOptions", "DurationOptions", "MicrobatchOptions", "EvalOptions", "LogOptions",
+           "CheckpointOptions", "resolve_duration"]
+
+
+def _positive_int(name: str, value: Any, *, none: bool = False, extra: str = "") -> None:
+    """The one check for an argument that must be an int >= 1 (bools are not ints here)."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1{extra}")
 
 
 def resolve_duration(value: Any) -> Time:
@@ -41,99 +56,61 @@ def _interval(name: str, value: Any) -> Time | Callable:
 
 
 @dataclass
-class TrainerOptions:
-    """The Trainer's arguments after validation."""
+class DurationOptions:
+    """How long the run is and what an epoch holds."""
 
     max_duration: Time | None = None
-    grad_accum: int = 1
-    microbatch: int | None = None
-    auto_microbatch: bool = False
-    eval_interval: Time | Callable = field(default_factory=lambda: Time(1, TimeUnit.EPOCH))
-    eval_subset_num_batches: int | None = None
-    train_subset_num_batches: int | None = None
-    log_every: int = 1
-    save_type: str = "sharded"
-    loggers: list = field(default_factory=list)
+    """When ``fit()`` ends (ints are epochs; stretched by ``scale_schedule_ratio``)."""
     scale_schedule_ratio: float = 1.0
-    step_schedulers_every_batch: bool = False
-    splits_batches: bool = False  # whether batches may be split into microbatches at all
+    """Composer's: the run and its time-aware schedules stretch by this factor."""
+    train_subset_num_batches: int | None = None
+    """Train on only the first N batches of each epoch (None or -1: all of them)."""
+    step_schedulers_every_batch: bool | None = None
+    """Step torch schedulers per batch rather than per epoch (None: kiln's schedulers per batch, torch's per epoch)."""
 
-    @classmethod
-    def validate(cls, args: dict[str, Any]) -> TrainerOptions:
-        opts = cls()
-        ssr = args["scale_schedule_ratio"]
-        if not isinstance(ssr, (int, float)) or ssr <= 0:
+    def __post_init__(self) -> None:
+        ssr = self.scale_schedule_ratio
+        if isinstance(ssr, bool) or not isinstance(ssr, (int, float)) or ssr <= 0:
             raise ValueError(f"scale_schedule_ratio={ssr!r} must be a positive number")
-        opts.scale_schedule_ratio = float(ssr)
-        if args["max_duration"] is not None:
-            duration = resolve_duration(args["max_duration"])
+        self.scale_schedule_ratio = float(ssr)
+        if self.max_duration is not None:
+            duration = resolve_duration(self.max_duration)
             if ssr != 1.0:  # the run stretches with its schedules (Composer's scale_schedule_ratio)
                 duration = Time(max(1, int(duration.value * ssr)) if isinstance(duration.value, int)
                                 else duration.value * ssr, duration.unit)
-            opts.max_duration = duration
-        grad_accum = args["grad_accum"]
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum!r} must be an integer >= 1")
-        opts.grad_accum = grad_accum
-        mb = args["device_train_microbatch_size"]
-        if mb == "auto":
-            opts.auto_microbatch = True
-        elif mb is not None:
-            if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-                raise ValueError(f"device_train_microbatch_size={mb!r} must be a positive int or 'auto'")
-            if grad_accum != 1:
-                raise ValueError("set either grad_accum or device_train_microbatch_size, not both")
-            opts.microbatch = mb
-        opts.splits_batches = opts.auto_microbatch or opts.microbatch is not None or grad_accum > 1
-        opts.eval_interval = _interval("eval_interval", args["eval_interval"])
-        subset = args["eval_subset_num_batches"]
-        if subset is not None and (not isinstance(subset, int) or subset < 1):
-            raise ValueError(f"eval_subset_num_batches={subset!r} must be a positive int or None")
-        opts.eval_subset_num_batches = subset
-        train_subset = args["train_subset_num_batches"]
-        if train_subset is not None and train_subset != -1 and (isinstance(train_subset, bool) or
-                                                                not isinstance(train_subset, int) or train_subset < 1):
-            raise ValueError(f"train_subset_num_batches={train_subset!r} must be a positive int, or -1/None for "
-                             "the whole dataloader")
-        opts.train_subset_num_batches = None if train_subset == -1 else train_subset
-        log = Time.from_input(args["log_interval"], TimeUnit.BATCH)
-        if log.unit != TimeUnit.BATCH or log.value < 1:
-            raise ValueError(f"log_interval={args['log_interval']!r} must be a positive number of batches, e.g. '10ba'")
-        opts.log_every = int(log.value)
-        # Checked here, before training, by the checkpoint layer's own rule. Imported here rather
-        # than at the top so that importing the Trainer does not import the checkpoint code.
-        from kiln.checkpoint.formats import check_save_type
+            self.max_duration = duration
+        subset = self.train_subset_num_batches
+        if subset != -1:
+            _positive_int("train_subset_num_batches", subset, none=True, extra=", or -1/None for the whole dataloader")
+        self.train_subset_num_batches = None if subset == -1 else subset
 
-        opts.save_type = check_save_type(args["save_type"])
-        keep = args["save_num_checkpoints_to_keep"]
-        if not isinstance(keep, int) or keep == 0 or keep < -1:
-            raise ValueError(f"save_num_checkpoints_to_keep={keep!r} must be -1 (keep all) or a positive int")
-        loggers = args["loggers"]
-        opts.loggers = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
-        every = args["step_schedulers_every_batch"]
-        opts.step_schedulers_every_batch = bool(every)
-        return opts
 
-    # -- decisions the loop asks for -----------------------------------------------------------
-    def eval_due(self, state: Any, event: Event) -> bool:
-        interval = self.eval_interval
-        if callable(interval) and not isinstance(interval, Time):
-            return bool(interval(state, event))
-        if interval.unit == TimeUnit.DURATION:
-            interval = state.resolve(interval)
-            if interval.value <= 0:
-                return False
-        ts = state.timestamp
-        if interval.unit == TimeUnit.EPOCH:
-            return event == Event.EPOCH_END and ts.epoch.value % interval.value == 0
-        return event == Event.BATCH_END and ts.batch.value % interval.value == 0
+@dataclass
+class MicrobatchOptions:
+    """How a batch is split into microbatches (the gradients of one step add up over them)."""
 
-    def evaluates_on(self, event: Event) -> bool:
-        """Whether evaluation can ever be due at ``event`` (so the loop can skip asking per batch)."""
-        interval = self.eval_interval
-        if not isinstance(interval, Time) or interval.unit == TimeUnit.DURATION:
-            return True
-        return (interval.unit == TimeUnit.BATCH) == (event == Event.BATCH_END)
+    grad_accum: int = 1
+    """Split each batch into this many microbatches."""
+    device_train_microbatch_size: int | str | None = None
+    """Or: samples per microbatch, or ``"auto"`` (halve on out-of-memory and retry)."""
+    microbatch: int | None = field(default=None, init=False)
+    """The microbatch size in use (None: from ``grad_accum``)."""
+    auto_microbatch: bool = field(default=False, init=False)
+    splits_batches: bool = field(default=False, init=False)
+    """Whether batches may be split at all (the loop skips splitting otherwise)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("grad_accum", self.grad_accum)
+        size = self.device_train_microbatch_size
+        if size == "auto":
+            self.auto_microbatch = True
+        elif size is not None:
+            _positive_int("device_train_microbatch_size", size, extra=", or 'auto'")
+            if self.grad_accum != 1:
+                raise ValueError(f"grad_accum={self.grad_accum!r} and device_train_microbatch_size={size!r} both split "
+                                 "batches; set one of them")
+            self.microbatch = size
+        self.splits_batches = self.auto_microbatch or self.microbatch is not None or self.grad_accum > 1
 
     def microbatch_size(self, batch_size: int) -> int:
         if self.microbatch is not None:
@@ -161,3 +138,103 @@ class TrainerOptions:
         flag = torch.tensor([1.0 if local_oom else 0.0], device=context().device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+@dataclass
+class EvalOptions:
+    """When evaluation runs during ``fit()`` and how much of the eval data it reads."""
+
+    eval_interval: Time | Callable = field(default_factory=lambda: Time(1, TimeUnit.EPOCH))
+    """A Time (``"1ep"``, ``"100ba"``, ``"0.25dur"``), int epochs, or ``fn(state, event) -> bool``."""
+    eval_subset_num_batches: int | None = None
+    """Evaluate on the first N batches only (None: all)."""
+
+    def __post_init__(self) -> None:
+        self.eval_interval = _interval("eval_interval", self.eval_interval)
+        _positive_int("eval_subset_num_batches", self.eval_subset_num_batches, none=True, extra=", or None")
+
+    def eval_due(self, state: Any, event: Event) -> bool:
+        interval = self.eval_interval
+        if callable(interval) and not isinstance(interval, Time):
+            return bool(interval(state, event))
+        if interval.unit == TimeUnit.DURATION:
+            interval = state.resolve(interval)
+            if interval.value <= 0:
+                return False
+        ts = state.timestamp
+        if interval.unit == TimeUnit.EPOCH:
+            return event == Event.EPOCH_END and ts.epoch.value % interval.value == 0
+        return event == Event.BATCH_END and ts.batch.value % interval.value == 0
+
+    def evaluates_on(self, event: Event) -> bool:
+        """Whether evaluation can ever be due at ``event`` (so the loop can skip asking per batch)."""
+        interval = self.eval_interval
+        if not isinstance(interval, Time) or interval.unit == TimeUnit.DURATION:
+            return True
+        return (interval.unit == TimeUnit.BATCH) == (event == Event.BATCH_END)
+
+
+@dataclass
+class LogOptions:
+    """Where metrics go and how often."""
+
+    loggers: Any = ()
+    """A logger destination or a list of them (see :mod:`kiln.loggers`)."""
+    log_interval: int | str | Time = "1ba"
+    """Log train metrics every N batches (``"10ba"``)."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+    log_every: int = field(default=1, init=False)
+    """``log_interval`` in batches."""
+
+    def __post_init__(self) -> None:
+        loggers = self.loggers
+        self.loggers = [] if loggers is None else list(loggers) if isinstance(loggers, (list, tuple)) else [loggers]
+        log = Time.from_input(self.log_interval, TimeUnit.BATCH)
+        if log.unit != TimeUnit.BATCH or log.value < 1:
+            raise ValueError(f"log_interval={self.log_interval!r} must be a positive number of batches, e.g. '10ba'")
+        self.log_every = int(log.value)
+
+
+@dataclass
+class CheckpointOptions:
+    """Where and when checkpoints are written, and what is loaded at the start."""
+
+    save_folder: Any = None
+    """A folder for checkpoints (None: none are written on intervals)."""
+    save_interval: Any = "1ep"
+    """When to save (a Time, time string, int epochs or ``fn(state, event) -> bool``)."""
+    save_num_checkpoints_to_keep: int = -1
+    """Keep the N newest checkpoints (-1: all)."""
+    save_type: str = "sharded"
+    """The checkpoint format (see :mod:`kiln.checkpoint.formats`)."""
+    save_best: Any = None
+    """A metric (and ``"min"``/``"max"``) whose best checkpoint is linked as ``best``."""
+    save_async: bool = False
+    """Write checkpoints in the background."""
+    load_path: Any = None
+    """A checkpoint to load before training (``"last"``/``"best"`` inside ``save_folder`` too)."""
+    autoresume: bool = False
+    """Load ``save_folder``'s ``last`` when there is one (a restarted job continues)."""
+
+    def __post_init__(self) -> None:
+        # The checkpoint layer's own rules. Imported here rather than at the top so that importing
+        # the Trainer does not import the checkpoint code.
+        from kiln.checkpoint.formats import check_save_type
+        from kiln.checkpoint.layout import check_num_checkpoints_to_keep
+
+        self.save_type = check_save_type(self.save_type)
+        check_num_checkpoints_to_keep(self.save_num_checkpoints_to_keep, "save_num_checkpoints_to_keep")
+        if self.autoresume and self.save_folder is None:
+            raise ValueError("autoresume=True needs save_folder= (where to look for 'last')")
+
+
+@dataclass
+class TrainerOptions:
+    """The Trainer's validated arguments, by group (``trainer.options.microbatching.grad_accum``)."""
+
+    duration: DurationOptions = field(default_factory=DurationOptions)
+    microbatching: MicrobatchOptions = field(default_factory=MicrobatchOptions)
+    evaluation: EvalOptions = field(default_factory=EvalOptions)
+    logging: LogOptions = field(default_factory=LogOptions)
+    checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)

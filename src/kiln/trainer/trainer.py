@@ -7,7 +7,6 @@ hops: fit -> _train_batch -> Engine.train_step (-> Engine.optimizer_step -> stra
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -24,12 +23,14 @@ from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
 from kiln.launch import heartbeat
 from kiln.launch.context import context, resolve_device, seed_everything
-from kiln.launch.data import ShardSampler, skip_consumed, with_resumable_sampler
+from kiln.launch.data import ShardSampler, with_resumable_sampler
+from kiln.launch.loader import ResumableLoader
 from kiln.loggers.logger import Logger
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
-from kiln.trainer.options import TrainerOptions, resolve_duration
+from kiln.trainer.options import (CheckpointOptions, DurationOptions, EvalOptions, LogOptions, MicrobatchOptions,
+                                  TrainerOptions, resolve_duration)
 from kiln.trainer.progress import ProgressBar
 
 __all__ = ["Trainer"]
@@ -71,6 +72,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module | None = None,
+        *,
         train_dataloader: Iterable | None = None,
         eval_dataloader: Iterable | None = None,
         max_duration: int | str | Time | None = None,
@@ -101,7 +103,6 @@ class Trainer:
         log_interval: int | str | Time = "1ba",
         engine: Engine | None = None,
         logger: Any = None,
-        *,
         save_async: bool = False,
         eval_metrics: Mapping[str, Any] | None = None,
         scale_schedule_ratio: float = 1.0,
@@ -111,7 +112,17 @@ class Trainer:
         deepspeed_config: Mapping[str, Any] | str | None = None,
         train_subset_num_batches: int | None = None,
     ) -> None:
-        self.options = opts = TrainerOptions.validate(locals())
+        if isinstance(model, Engine) and engine is None:  # Colossal-AI's Trainer(engine)
+            model, engine = None, model
+        # Every argument checked before anything is built: a bad value fails here, in one line.
+        self.options = opts = TrainerOptions(
+            duration=DurationOptions(max_duration, scale_schedule_ratio, train_subset_num_batches,
+                                     step_schedulers_every_batch),
+            microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
+            evaluation=EvalOptions(eval_interval, eval_subset_num_batches),
+            logging=LogOptions(loggers, log_interval, progress_bar),
+            checkpointing=CheckpointOptions(save_folder, save_interval, save_num_checkpoints_to_keep, save_type,
+                                            save_best, save_async, load_path, autoresume))
         ctx = context()
         if seed is not None:
             seed_everything(seed)
@@ -147,13 +158,12 @@ class Trainer:
         state.engine = engine
         state.loss_fn = self.loss_fn
         state.config = self.config  # recorded in each checkpoint's manifest
-        self._loaded_checkpoint = False
-        state.max_duration = opts.max_duration
+        state.max_duration = opts.duration.max_duration
         check_algorithms(state.algorithms, engine)
 
-        self.logger = Logger(opts.loggers, rank=ctx.rank, state=state)
+        self.logger = Logger(opts.logging.loggers, rank=ctx.rank, state=state)
         self.events = EventRunner(state, self.logger)
-        self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0)
+        self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0, logger=self.logger)
 
         # -- data ----------------------------------------------------------------------------
         self.train_dataloader = None
@@ -163,7 +173,7 @@ class Trainer:
 
         # -- schedulers, checkpoints ---------------------------------------------------------
         self._per_batch_schedulers, self._per_epoch_schedulers = split_schedulers(
-            schedulers, state, opts.step_schedulers_every_batch, opts.scale_schedule_ratio)
+            schedulers, state, opts.duration.step_schedulers_every_batch, opts.duration.scale_schedule_ratio)
         self._saver = None
         if save_folder is not None:
             from kiln.checkpoint import CheckpointSaver  # checkpoint code loads only when used
@@ -180,27 +190,28 @@ class Trainer:
     def _set_train_dataloader(self, loader: Iterable | None) -> None:
         if loader is None:
             return
-        seed = self.state.seed if self.state.seed is not None else 1024
-        engine = self.engine
-        self.train_dataloader = loader = with_resumable_sampler(loader, seed, engine.data_parallel_size,
-                                                                engine.data_parallel_rank)
-        self.state.dataloader = loader
-        try:
-            self.state.dataloader_len = len(loader)  # type: ignore[arg-type]
+        if not isinstance(loader, ResumableLoader):  # one the user built is used as it is
+            seed = self.state.seed if self.state.seed is not None else 1024
+            engine = self.engine
+            loader = with_resumable_sampler(loader, seed, engine.data_parallel_size, engine.data_parallel_rank)
+            subset, resumable = self.options.duration.train_subset_num_batches, self.state.dataloader
+            if isinstance(resumable, ResumableLoader):  # the run's position (a loaded checkpoint's, or the last loader's) goes on
+                resumable.loader, resumable.subset_num_batches = loader, subset
+            else:
+                resumable = ResumableLoader(loader, subset)
+            loader = resumable
+        self.train_dataloader = self.state.dataloader = loader
+        try:  # an epoch is the subset when there is one (Composer sets dataloader_len the same way)
+            self.state.dataloader_len = len(loader)
         except TypeError:
             self.state.dataloader_len = None
-        subset = self.options.train_subset_num_batches
-        if subset is not None:  # an epoch is the subset (Composer sets dataloader_len the same way)
-            self.state.dataloader_len = subset if self.state.dataloader_len is None else min(subset, self.state.dataloader_len)
 
     def _set_eval_dataloader(self, loader: Iterable | None) -> None:
         if loader is not None:
             self.eval_dataloader = ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
 
     def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
-        if autoresume:
-            if save_folder is None:
-                raise ValueError("autoresume=True needs save_folder= (where to look for 'last')")
+        if autoresume:  # with a save_folder: CheckpointOptions checked it
             from kiln.checkpoint.layout import resolve_checkpoint
 
             if resolve_checkpoint(save_folder, "last", must_exist=False) is not None:
@@ -213,7 +224,6 @@ class Trainer:
         path = resolve_checkpoint(save_folder, load_path)
         self.events.run(Event.BEFORE_LOAD)
         load_checkpoint(path, self.state)
-        self._loaded_checkpoint = True
         self.events.run(Event.AFTER_LOAD)
 
     # -- small helpers the loop and the evaluator share ----------------------------------------
@@ -242,15 +252,19 @@ class Trainer:
         # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
         active, run = events.active, events.run
         move, world = self.engine.device.type != "cpu", self.engine.data_parallel_size
-        evaluate_batches = self.eval_dataloader is not None and opts.evaluates_on(Event.BATCH_END)
-        resume_skip = ts.batch_in_epoch.value  # > 0 only after a mid-epoch resume
+        evaluate_batches = self.eval_dataloader is not None and opts.evaluation.evaluates_on(Event.BATCH_END)
+        eval_due, log_every = opts.evaluation.eval_due, opts.logging.log_every
         heartbeat.follow(events.describe)
         try:
             run(Event.FIT_START)
             state.clear_stop()
             while not state._stop and getattr(ts, counter) < limit:
-                iterator = self._start_epoch(loader, resume_skip)
-                resume_skip = 0
+                if not ts.batch_in_epoch.value:  # a new epoch, not a resumed one
+                    run(Event.EPOCH_START)
+                progress.start_epoch(state)
+                # The loader sets the sampler's epoch, continues a resumed epoch where it was and
+                # restores the RNG after a resume: the loop only asks it for batches.
+                iterator = iter(loader)
                 batch = None
                 while True:
                     if _BEFORE_DATALOADER in active:
@@ -276,13 +290,13 @@ class Trainer:
                         scheduler.step()
                     if _BATCH_END in active:
                         run(_BATCH_END)
-                    if self.logger.destinations and ts._batch % opts.log_every == 0:
+                    if self.logger.destinations and ts._batch % log_every == 0:
                         self._log_train()
                     if progress._bar is not None:
                         progress.update(state)
                     # Evaluation runs before the checkpoint event (Composer's order): the checkpoint
                     # then holds this step's metrics and the RNG state after the eval loader drew from it.
-                    if evaluate_batches and opts.eval_due(state, Event.BATCH_END):
+                    if evaluate_batches and eval_due(state, Event.BATCH_END):
                         self.eval()
                     if _BATCH_CHECKPOINT in active:
                         run(_BATCH_CHECKPOINT)
@@ -297,7 +311,7 @@ class Trainer:
                 for scheduler in self._per_epoch_schedulers:
                     scheduler.step()
                 run(Event.EPOCH_END)
-                if self.eval_dataloader is not None and opts.eval_due(state, Event.EPOCH_END):
+                if self.eval_dataloader is not None and eval_due(state, Event.EPOCH_END):
                     self.eval()
                 run(Event.EPOCH_CHECKPOINT)
             run(Event.FIT_END)
@@ -320,7 +334,7 @@ class Trainer:
         if eval_dataloader is not None or test_dataloader is not None:
             self._set_eval_dataloader(eval_dataloader if eval_dataloader is not None else test_dataloader)
             if test_dataloader is not None:
-                opts.eval_interval = Time(test_interval, TimeUnit.EPOCH)
+                opts.evaluation.eval_interval = Time(test_interval, TimeUnit.EPOCH)
         if display_progress is not None:
             self.progress.enabled = display_progress and state.rank == 0
         if reset_time:
@@ -344,41 +358,10 @@ class Trainer:
             self.events.add(hook_callback)
         return hook_callback
 
-    def _start_epoch(self, loader: Any, resume_skip: int) -> Any:
-        """Position the sampler for this epoch (and a mid-epoch resume); returns the iterator."""
-        state = self.state
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(state.timestamp.epoch.value)
-        skip_in_sampler = resume_skip and hasattr(sampler, "skip")
-        if skip_in_sampler:  # the sampler starts after the consumed samples: nothing is replayed
-            from kiln.checkpoint.state import resumed_on_same_world
-
-            skip_consumed(sampler, state.timestamp.sample_in_epoch.value, resume_skip, getattr(loader, "batch_size", None),
-                          resumed_on_same_world(state))
-        if not resume_skip:
-            self.events.run(Event.EPOCH_START)
-        self.progress.start_epoch(state)
-        iterator = iter(loader)
-        if self._loaded_checkpoint:
-            from kiln.checkpoint import restore_rng_after_iter
-
-            # iter() drew a seed from the global RNG; a mid-epoch resume must continue from the
-            # RNG state the uninterrupted run had at this point (a no-op after the first epoch).
-            restore_rng_after_iter(state)
-            self._loaded_checkpoint = False
-        if resume_skip and not skip_in_sampler:
-            for _ in range(resume_skip):  # a loader without a resumable sampler: skip by fetching
-                next(iterator, None)
-        subset = self.options.train_subset_num_batches
-        if subset is not None:  # the epoch ends after the subset's batches (resumed ones count)
-            iterator = itertools.islice(iterator, max(0, subset - resume_skip))
-        return iterator
-
     def _train_batch(self, batch_size: int) -> None:
         """One optimizer step over ``state.batch`` (of ``batch_size`` samples), through
         :meth:`Engine.train_step`: this method splits the batch and fires the events between."""
-        state, engine, opts = self.state, self.engine, self.options
+        state, engine, opts = self.state, self.engine, self.options.microbatching
         active = self.events.active
         if _BEFORE_TRAIN_BATCH in active:
             self.events.run(_BEFORE_TRAIN_BATCH)
@@ -430,7 +413,7 @@ class Trainer:
 
     def _after_microbatches(self, loss: torch.Tensor) -> None:
         """Gradients complete: the batch and its loss back on the state, then ``AFTER_TRAIN_BATCH``."""
-        opts = self.options
+        opts = self.options.microbatching
         if opts.auto_microbatch and opts.any_rank_oom(False):
             raise _RetryBatch
         state = self.state
@@ -469,7 +452,7 @@ class Trainer:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
         heartbeat.follow(self.events.describe)
         try:
-            return evaluate(self, loader, label, subset_num_batches or self.options.eval_subset_num_batches)
+            return evaluate(self, loader, label, subset_num_batches or self.options.evaluation.eval_subset_num_batches)
         except RuntimeError as exc:
             heartbeat.raise_if_timed_out(exc)
             raise
@@ -489,13 +472,12 @@ class Trainer:
         folder = folder or (self._saver.folder if self._saver is not None else None)
         if folder is None:
             raise ValueError("save_checkpoint() needs a folder: pass save_folder= to the Trainer or folder= here")
-        return str(save_checkpoint(folder, self.state, save_type=self.options.save_type))
+        return str(save_checkpoint(folder, self.state, save_type=self.options.checkpointing.save_type))
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         from kiln.checkpoint import load_checkpoint
 
         load_checkpoint(path, self.state)
-        self._loaded_checkpoint = True
 
     def close(self) -> None:
         """Release loggers and callbacks (files, writers)."""
