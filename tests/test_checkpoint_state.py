@@ -17,7 +17,7 @@ SAVE_TYPES = ["sharded", "deduped", "merged"]
 def test_every_part_of_the_state_round_trips(tmp_path, save_type):
     state = build_state(callbacks=[Counter()])
     train(state, 9)  # one epoch (6 batches) and 3 into the next: a mid-epoch checkpoint
-    state.engine._micro = 0
+    state.engine.micro_step = 0
     path = save_checkpoint(tmp_path, state, save_type)
     expected = snapshot(state)
 
@@ -36,7 +36,7 @@ def test_grad_scaler_and_accumulation_counter_round_trip(tmp_path):
     state = build_state(precision="amp_fp16")
     train(state, 2)
     state.engine.scaler.update(1234.0)
-    state.engine._micro = 0
+    state.engine.micro_step = 0
     save_checkpoint(tmp_path, state)
     restored = build_state(seed=1, precision="amp_fp16")
     load_checkpoint("last", restored, folder=tmp_path)

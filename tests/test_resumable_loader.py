@@ -240,7 +240,7 @@ def test_the_rng_is_restored_after_the_first_iter_of_a_resume_and_only_then():
 def test_a_checkpoint_holds_the_loader_position_as_plain_data(tmp_path):
     state = build_state()
     train(state, 9)  # 6 batches per epoch: 3 into epoch 1
-    state.engine._micro = 0
+    state.engine.micro_step = 0
     path = save_checkpoint(tmp_path, state)
     saved = torch.load(path / training_state_file(0), weights_only=True)
     assert "sampler" not in saved  # the old key: its state is inside the loader's now
@@ -258,7 +258,7 @@ def test_a_checkpoint_without_the_loader_key_still_resumes_exactly(tmp_path):
     expected = _uninterrupted(12)
     first = build_state()
     train(first, 9)
-    first.engine._micro = 0
+    first.engine.micro_step = 0
     path = save_checkpoint(tmp_path, first)
     # What a checkpoint written before the loader kept its own state holds: the sampler's state
     # beside the timestamp, and no "dataloader".

@@ -98,6 +98,13 @@ class Engine:
         self._move = self.device.type != "cpu"
         self._cast = self.precision.casts_inputs
         self._autocast = self.precision.autocast_dtype is not None
+        # A strategy method the strategy does not override is the base class's one-liner; the
+        # per-step path runs those inline instead of through a call each (benchmarks/overhead.py).
+        # The strategy still defines them: an override is always called.
+        kind = type(self.strategy)
+        self._inline_loss = kind.loss is Strategy.loss
+        self._inline_backward = kind.backward is Strategy.backward and self.scaler is None
+        self._inline_step = kind.optimizer_step is Strategy.optimizer_step and self.scaler is None
         # Where this rank is, for the heartbeat of a plain Engine loop (a Trainer describes its events instead).
         self._last_call, self._num_steps = "initialize", 0
         heartbeat.follow(self._describe, replace=False)
@@ -126,13 +133,19 @@ class Engine:
         if self._autocast:
             with self.precision.autocast(self.device):
                 return self.strategy.loss(self.model, self._criterion, *args, **kwargs)
+        if self._inline_loss:
+            return self._criterion(*args, **kwargs)
         return self.strategy.loss(self.model, self._criterion, *args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, weight: float | None = None) -> None:
         """Backward of ``loss`` divided by the accumulation count (or times ``weight`` when given,
         which the Trainer uses for microbatches of unequal size), scaled for fp16."""
         self._last_call = "backward"
-        self.strategy.backward(self.model, loss, self._loss_scale if weight is None else weight, self.scaler)
+        scale = self._loss_scale if weight is None else weight
+        if self._inline_backward:
+            (loss if scale is None else loss * scale).backward()
+        else:
+            self.strategy.backward(self.model, loss, scale, self.scaler)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients at the start of an accumulation cycle; a no-op inside one."""
@@ -148,6 +161,11 @@ class Engine:
         if self._micro < self._accum:
             return False
         self._micro = 0
+        if self._inline_step and self.clip_grad_norm is None and self.optimizer is not None:
+            self._last_call = "optimizer_step"  # optimizer_step() with nothing to do around the step
+            self._num_steps += 1
+            self.optimizer.step()
+            return True
         self.optimizer_step()
         return True
 
@@ -171,6 +189,9 @@ class Engine:
             self.scaler.unscale_(optimizer)  # the callbacks see the true gradients
         if before_optimizer_step is not None:
             before_optimizer_step()
+        if self._inline_step:
+            optimizer.step()
+            return
         norm = self.strategy.optimizer_step(self.model, optimizer, self.scaler)
         if norm is not None:  # measured inside the step by a strategy that clips there (DeepSpeed)
             self.last_grad_norm = norm
@@ -216,11 +237,20 @@ class Engine:
                 optimizer.zero_grad(set_to_none=True)
             loss = loss_of(microbatches[0])
             self._last_call = "backward"
-            self.strategy.backward(self.model, loss, None, self.scaler)
+            if self._inline_backward:
+                loss.backward()
+            else:
+                self.strategy.backward(self.model, loss, None, self.scaler)
             if after_backward is not None:
                 after_backward()
             if after_microbatches is not None:
                 after_microbatches(loss)
+            if (self._inline_step and before_optimizer_step is None and self.clip_grad_norm is None
+                    and optimizer is not None):
+                self._last_call = "optimizer_step"  # optimizer_step() with nothing to do around the step
+                self._num_steps += 1
+                optimizer.step()
+                return loss
             self.optimizer_step(before_optimizer_step)
             return loss
         if self._micro == 0 and optimizer is not None:
@@ -298,6 +328,18 @@ class Engine:
         self._micro = 0
         if value == 1:
             self.strategy.set_grad_sync(self.model, True)
+
+    @property
+    def micro_step(self) -> int:
+        """Backward passes counted so far in the current accumulation cycle (0: at a boundary)."""
+        return self._micro
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self._accum:
+            raise ValueError(f"micro_step={value!r} must be an int in [0, {self._accum}) for gradient_accumulation="
+                             f"{self._accum}")
+        self._micro = value
 
     @property
     def module(self) -> nn.Module:

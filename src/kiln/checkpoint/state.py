@@ -98,8 +98,8 @@ def _keyed(objects: list[Any]) -> dict[str, Any]:
 
 def collect_training_state(state: Any) -> dict[str, Any]:
     engine = getattr(state, "engine", None)
-    if engine is not None and getattr(engine, "_micro", 0):
-        warnings.warn(f"checkpoint taken after micro-step {engine._micro} of {engine.gradient_accumulation}: the "
+    if engine is not None and getattr(engine, "micro_step", 0):
+        warnings.warn(f"checkpoint taken after micro-step {engine.micro_step} of {engine.gradient_accumulation}: the "
                       "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
                       "them; save at accumulation boundaries (after engine.step() returned True)", stacklevel=4)
     scaler = getattr(engine, "scaler", None)
@@ -110,7 +110,7 @@ def collect_training_state(state: Any) -> dict[str, Any]:
         "timestamp": state.timestamp.state_dict(),
         "schedulers": [s.state_dict() for s in state.schedulers],
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "engine": {"micro_step": int(getattr(engine, "_micro", 0))} if engine is not None else None,
+        "engine": {"micro_step": int(getattr(engine, "micro_step", 0))} if engine is not None else None,
         "rng": rng_state(),
         "dataloader": _loader_position(loader),
         "callbacks": {k: cb.state_dict() for k, cb in _keyed(state.callbacks).items()},
@@ -148,7 +148,7 @@ def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, re
     if scaler is not None and saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])
     if engine is not None and saved.get("engine"):
-        engine._micro = int(saved["engine"]["micro_step"])
+        engine.micro_step = int(saved["engine"]["micro_step"])
     for kind in ("callbacks", "algorithms"):
         stored = saved.get(kind) or {}
         for key, obj in _keyed(getattr(state, kind)).items():

@@ -147,6 +147,7 @@ class Trainer:
         self._is_kiln_model = isinstance(module, Model)
         # The loss of (outputs, batch): a kiln.Model's own, or the criterion on the batch's targets.
         self.loss_fn = engine.criterion if self._is_kiln_model else targets_loss(engine.criterion)
+        self._targets_loss = None if self._is_kiln_model else self.loss_fn  # the loss _plain_loss inlines
 
         # -- state ---------------------------------------------------------------------------
         self.state = state = State(
@@ -369,13 +370,20 @@ class Trainer:
         self._step_batch = batch = state.batch
         after_backward = self._after_backward if _AFTER_BACKWARD in active else None
         before_step = self._before_optimizer_step if _BEFORE_OPTIMIZER_STEP in active else None
+        # nothing to do between the microbatches and the step: the batch and its loss go back on the state after it
+        after_microbatches = (self._after_microbatches if before_step is not None or _AFTER_TRAIN_BATCH in active
+                              or opts.auto_microbatch else None)
+        # without listeners between forward and backward, the loss needs no event checks
+        loss_of = self._plain_loss if active.isdisjoint(_MICROBATCH_EVENTS) else self._microbatch_loss
         while True:
             microbatch_size = opts.microbatch_size(batch_size) if opts.splits_batches else batch_size
             microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
             try:
-                engine.train_step(microbatches, self._microbatch_loss, weighting=state.microbatch_weighting,
-                                  after_backward=after_backward, after_microbatches=self._after_microbatches,
-                                  before_optimizer_step=before_step)
+                loss = engine.train_step(microbatches, loss_of, weighting=state.microbatch_weighting,
+                                         after_backward=after_backward, after_microbatches=after_microbatches,
+                                         before_optimizer_step=before_step)
+                if after_microbatches is None:
+                    state.batch, state.loss = batch, loss
                 return
             except _RetryBatch:  # another rank ran out of memory: retry with the same smaller microbatch
                 opts.halve_microbatch(batch_size)
@@ -407,6 +415,18 @@ class Trainer:
         if _BEFORE_BACKWARD in active:
             run(_BEFORE_BACKWARD)
         return state.loss
+
+    def _plain_loss(self, microbatch: Any) -> torch.Tensor:
+        """:meth:`_microbatch_loss` when no one listens to its events."""
+        state, engine = self.state, self.engine
+        state.batch = microbatch
+        if self.loss_fn is self._targets_loss:  # a plain module: (inputs, targets), the criterion on the outputs
+            state.outputs = outputs = engine(microbatch[0])
+            state.loss = loss = engine.criterion(outputs, microbatch[1])
+        else:
+            state.outputs = outputs = self.forward(microbatch)
+            state.loss = loss = self.loss_fn(outputs, microbatch)
+        return loss
 
     def _after_backward(self) -> None:
         self.events.run(_AFTER_BACKWARD)
@@ -507,6 +527,7 @@ _BEFORE_OPTIMIZER_STEP = Event.BEFORE_OPTIMIZER_STEP
 _BEFORE_FORWARD, _AFTER_FORWARD = Event.BEFORE_FORWARD, Event.AFTER_FORWARD
 _BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
+_MICROBATCH_EVENTS = frozenset({_BEFORE_FORWARD, _AFTER_FORWARD, _BEFORE_LOSS, _AFTER_LOSS, _BEFORE_BACKWARD})
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
 
