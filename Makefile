@@ -5,7 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kiln-installed
 DS_STAMP := $(VENV)/.deepspeed-installed
 
-.PHONY: demo test install bench clean
+LINT_PATHS := src tests benchmarks examples
+
+.PHONY: demo test lint install bench clean
 
 # torch is pinned and installed first: with nothing installed, a looser spec pulls a multi-GB
 # CUDA build; 2.13.0 is the local CPU build here and the default build elsewhere.
@@ -28,8 +30,16 @@ install: $(STAMP) $(DS_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kiln run -n 2 examples/engine_digits.py
 
+# ruff (lint, then formatting) and mypy (src/kiln); settings in pyproject.toml. The dev extra
+# installs both.
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
+
+# Lint first: it fails in seconds, before the DeepSpeed build and the suite.
 # KILN_TEST_REQUIRE: optional packages whose tests must run here rather than skip.
-test: $(DS_STAMP)
+test: lint $(DS_STAMP)
 	KILN_TEST_REQUIRE=deepspeed $(PY) -m pytest -q
 
 bench: $(STAMP)

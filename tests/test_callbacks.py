@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -427,3 +428,14 @@ def test_trainer_two_ranks_metrics_and_nan_monitor(tmp_path):
         assert result["batch"] == 3 and "at batch 3 " in result["stop_reason"]  # both ranks stopped together
     assert "(nan)" in ranks[1]["stop_reason"] and "on another rank" in ranks[0]["stop_reason"]
     assert kiln.context().world_size == 1
+
+
+@pytest.mark.world_size(2)
+def test_stoppers_read_one_train_value_on_every_rank(tmp_path):
+    # train/loss is each rank's own loss: a stopper reading it raw would stop ranks at different
+    # batches and leave the others waiting in a collective. It reads the mean over ranks.
+    from distributed import WORKERS, check, kiln_run
+
+    check(kiln_run(WORKERS / "stopper_metric.py", str(tmp_path)))
+    values = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert values == [{"train": 1.5, "eval": 0.25}] * 2

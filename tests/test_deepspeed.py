@@ -187,6 +187,18 @@ def test_trainer_deepspeed_config_on_one_process_equals_the_plain_run():
     for name, value in a.items():
         assert torch.equal(value, b[name]), name
 
+    # A kiln time-aware scheduler drives the torch optimizer inside DeepSpeed's ZeRO wrapper. (In the
+    # same test: DeepSpeed caches the one-rank group, which the test harness destroys between tests.)
+    import kiln
+
+    plain = _fit(schedulers=kiln.optim.CosineAnnealingScheduler())
+    ds = _fit(deepspeed_config={"zero_optimization": {"stage": 2}}, schedulers=kiln.optim.CosineAnnealingScheduler())
+    lrs = [group["lr"] for group in ds.state.optimizer.param_groups]
+    assert lrs == [group["lr"] for group in plain.state.optimizer.param_groups] and lrs[0] < 1e-2
+    a, b = full_model_state_dict(plain.engine), full_model_state_dict(ds.engine)
+    for name, value in a.items():
+        assert torch.equal(value, b[name]), name
+
 
 def test_trainer_deepspeed_config_with_another_strategy_is_an_error():
     import kiln

@@ -360,3 +360,30 @@ def test_resume_is_exact_when_eval_and_checkpoint_share_a_step(tmp_path):
     for a, b in zip(full.state.model.parameters(), resumed.state.model.parameters()):
         assert torch.equal(a, b)
     assert full.state.metrics["eval/loss"] == resumed.state.metrics["eval/loss"]
+
+
+def test_fit_with_reset_time_starts_time_and_data_again_from_epoch_zero():
+    class Seen(kiln.Callback):
+        def __init__(self):
+            self.batches = []
+
+        def after_dataloader(self, state, logger):
+            self.batches.append(state.batch[0][:, 0].tolist())
+
+    def run(*durations, reset=False):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        seen = Seen()
+        trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
+                               optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+                               callbacks=[seen], progress_bar=False, seed=3)
+        trainer.fit(duration=durations[0])
+        first = len(seen.batches)
+        for duration in durations[1:]:
+            trainer.fit(duration=duration, reset_time=reset)
+        return seen.batches[:first], seen.batches[first:], trainer
+
+    fresh, _, _ = run("5ba")
+    before, after, trainer = run("3ba", "5ba", reset=True)
+    assert before == fresh[:3] and after == fresh  # epoch 0's order again, from its first batch
+    assert trainer.state.timestamp.batch.value == 5 and trainer.state.timestamp.batch_in_epoch.value == 5

@@ -38,7 +38,7 @@ def test_every_argument_after_model_is_keyword_only():
     assert params[0].name == "model" and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[1:])
     with pytest.raises(TypeError, match="positional"):
-        kiln.Trainer(nn.Linear(4, 2), _loader())  # type: ignore[misc]
+        kiln.Trainer(nn.Linear(4, 2), _loader())  # type: ignore[misc]  # the wrong call under test
 
 
 def test_colossal_positional_engine_is_the_engine():

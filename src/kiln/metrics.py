@@ -88,7 +88,7 @@ class Accuracy(Metric):
     def __new__(cls, task: str | None = None, *args: Any, **kwargs: Any) -> Any:
         task = _infer_task(task, kwargs)
         if task is not None:  # torchmetrics' wrapper builds e.g. MulticlassAccuracy
-            return torchmetrics.Accuracy(task, *args, **kwargs)  # type: ignore[call-overload]
+            return torchmetrics.Accuracy(task, *args, **kwargs)  # type: ignore[arg-type]  # torchmetrics checks the name
         return super().__new__(cls)
 
     def __getnewargs__(self) -> tuple:

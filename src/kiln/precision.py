@@ -58,7 +58,7 @@ _AMP_TO_PRECISION = {AMP_TYPE.TORCH: "amp_fp16", AMP_TYPE.APEX: "amp_fp16", AMP_
 class _FP16ParamScaler(torch.amp.GradScaler):
     # Parameters held in fp16 have fp16 gradients, which torch's GradScaler refuses to unscale
     # unless told it may (FSDP's ShardedGradScaler does the same).
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
@@ -122,7 +122,8 @@ class Precision:
         if isinstance(data, (list, tuple)):
             return type(data)(self.cast_input(d) for d in data)
         if isinstance(data, Mapping):
-            return type(data)({k: self.cast_input(v) for k, v in data.items()})
+            return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+                {k: self.cast_input(v) for k, v in data.items()})
         return data
 
     def make_scaler(self, device: torch.device | str) -> torch.amp.GradScaler | None:

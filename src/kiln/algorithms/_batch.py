@@ -33,11 +33,13 @@ def set_item(batch: Any, key: Key, value: Any) -> Any:
     if isinstance(batch, Mapping):
         new = dict(batch)
         new[key] = value
-        return type(batch)(new) if type(batch) is not dict else new
+        if type(batch) is dict:
+            return new
+        return type(batch)(new)  # type: ignore[call-arg]  # its own mapping class, which takes a dict
     if isinstance(batch, (tuple, list)):
         items = list(batch)
         get_item(batch, key)  # same error as reading a missing key
-        items[key] = value  # type: ignore[index]
+        items[key] = value  # type: ignore[index]  # get_item refused a key that a list cannot take
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
     raise ValueError(f"cannot replace key {key!r} in a batch of type {type(batch).__name__}; "
                      "expected an (inputs, targets) tuple/list or a dict of tensors")
@@ -48,7 +50,8 @@ def map_tensors(batch: Any, fn: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
-        return type(batch)({k: map_tensors(v, fn) for k, v in batch.items()})
+        return type(batch)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, (tuple, list)):
         items = [map_tensors(v, fn) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)

@@ -44,7 +44,7 @@ class ChannelsLast(Algorithm):
         if event in (Event.INIT, Event.FIT_START):
             if id(state.model) not in self._converted:
                 # In place: parameters keep their identity, so the optimizer still holds them.
-                state.model.to(memory_format=torch.channels_last)
+                state.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stubs lack memory_format
                 self._converted.add(id(state.model))
             return
         inputs = get_item(state.batch, self.input_key)

@@ -71,15 +71,16 @@ class SAM(Algorithm):
         params = [p for p in state.model.parameters() if p.grad is not None]
         if not params:
             return
+        grads = [p.grad for p in params if p.grad is not None]  # all of them (typed without None)
         # The direction g/||g|| is the same for fp16-scaled gradients, so no unscaling is needed.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm(grads)
         if not torch.isfinite(norm):
             return
         scale = self.rho / (norm + self.epsilon)
         with torch.no_grad():
             originals = [p.detach().clone() for p in params]
-            for p in params:
-                p.add_(p.grad * scale.to(p.grad.dtype))
+            for p, grad in zip(params, grads):
+                p.add_(grad * scale.to(grad.dtype))
         for optimizer in state.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self._second_pass(state, microbatches)

@@ -101,5 +101,6 @@ class SeqLengthWarmup(Algorithm):
             return flat[:usable].view(-1, length)
 
         if isinstance(batch, Mapping):
-            return type(batch)({k: cut(v) for k, v in batch.items()})
+            return type(batch)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+                {k: cut(v) for k, v in batch.items()})
         return type(batch)(cut(v) for v in batch)

@@ -7,6 +7,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kiln.core.state import State
 
 __all__ = ["metric_key", "read_metric", "comparison", "lower_is_better", "improved"]
@@ -48,16 +50,30 @@ def read_metric(state: State, monitor: str, dataloader_label: str, owner: str) -
     """The latest value of ``monitor`` as a float; a clear error if the Trainer has not recorded it.
 
     ``monitor`` may be a bare name (``"Accuracy"``, looked up as ``"<label>/Accuracy"``) or the full
-    key (``"eval/Accuracy"``). The value is read from ``state.metrics``, which holds the same
-    (rank-synchronised) numbers on every rank, so every rank takes the same stopping decision.
+    key (``"eval/Accuracy"``). Every rank must take the same stopping decision, or the ranks that
+    go on wait for the stopped ones forever: evaluation values in ``state.metrics`` are already
+    the same on every rank, while ``train/`` values are each rank's own (the loss of its batch),
+    so those are averaged over the ranks here, one collective per check.
     """
     metrics = state.metrics
     for key in (metric_key(monitor, dataloader_label), monitor):
         if key in metrics:
             value = metrics[key]
+            if key.startswith("train/") and isinstance(value, torch.Tensor) and getattr(state, "world_size", 1) > 1:
+                value = _rank_mean(value)
             return float(value.item() if hasattr(value, "item") else value)
     raise KeyError(f"{owner}: no metric {metric_key(monitor, dataloader_label)!r} in state.metrics "
                    f"(recorded: {sorted(metrics) or 'none'}); check `monitor` and `dataloader_label`")
+
+
+def _rank_mean(value: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    total = value.detach().to(torch.float64).clone()
+    dist.all_reduce(total)  # a SUM: gloo has no AVG
+    return total / dist.get_world_size()
 
 
 def improved(value: float, best: float | None, better: Callable[[Any, Any], bool], min_delta: float) -> bool:

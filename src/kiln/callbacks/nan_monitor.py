@@ -90,6 +90,7 @@ class NaNMonitor(Callback):
             # All device-side and asynchronous: no .item(), no Python branch on a tensor.
             value = loss.float().sum()  # NaN or inf if any element is
             new = ~torch.isfinite(value) & (self._first == _NONE)
+            assert self._value is not None  # set with _first
             self._first = torch.where(new, batch, self._first)
             self._value = torch.where(new, value, self._value)
 
@@ -127,8 +128,8 @@ class NaNMonitor(Callback):
         value: float | None = None
         if self._host_first is not None and self._host_first[0] == bad:
             value = self._host_first[1]
-        elif self._first is not None and int(self._first.item()) == bad:
-            value = float(self._value.item())  # type: ignore[union-attr]
+        elif self._first is not None and self._value is not None and int(self._first.item()) == bad:
+            value = float(self._value.item())
         self._reported = True
         self._report(state, logger, bad, value)
 

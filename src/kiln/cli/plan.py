@@ -68,7 +68,9 @@ def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> t
         world_size = (load_yaml(path).get("compute_config") or {}).get("runtime_ngpus")
     world_size = world_size or 1
     trainer_args = load_trainer_args(path, overrides, world_size=world_size)
-    return build_model(trainer_args), trainer_args.optimizer.type, world_size
+    optimizer = trainer_args.optimizer.type
+    assert optimizer is not None  # TrainerArgs requires optimizer.type
+    return build_model(trainer_args), optimizer, world_size
 
 
 def run(args: argparse.Namespace) -> int:

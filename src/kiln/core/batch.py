@@ -73,9 +73,10 @@ def split_batch(batch: Any, microbatch_size: int) -> list[Any]:
         count = max(len(p) for p in parts)
         return [type(batch)(p[i] if len(p) > 1 else p[0] for p in parts) for i in range(count)]
     if isinstance(batch, Mapping):
-        parts = {k: split_batch(v, microbatch_size) for k, v in batch.items()}
-        count = max(len(p) for p in parts.values())
-        return [type(batch)({k: p[i] if len(p) > 1 else p[0] for k, p in parts.items()}) for i in range(count)]
+        fields = {k: split_batch(v, microbatch_size) for k, v in batch.items()}
+        count = max(len(p) for p in fields.values())
+        pieces = [{k: p[i] if len(p) > 1 else p[0] for k, p in fields.items()} for i in range(count)]
+        return [type(batch)(piece) for piece in pieces]  # type: ignore[call-arg]  # its own mapping class, which takes a dict
     return [batch]  # a non-tensor leaf (e.g. a string) is shared by every microbatch
 
 

@@ -97,7 +97,7 @@ class AccuracyMetric(HookMetric):
     higher_is_better = True
 
     def __init__(self, accuracy_func: Callable[..., Any]) -> None:
-        self.accuracy_func = accuracy_func
+        self.accuracy_func: Any = accuracy_func  # a function, or a torchmetrics Metric (reset, to, compute)
         self._torchmetric = hasattr(accuracy_func, "compute") and hasattr(accuracy_func, "reset")
         self._device: torch.device | None = None  # where the torchmetrics metric's state lives
         self._totals = _RankSum(2)

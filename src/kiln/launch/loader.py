@@ -151,6 +151,12 @@ class ResumableLoader:
         self.batch_in_epoch = 0
         self._counted_from = (0, 0)
 
+    def restart(self) -> None:
+        """Back to the start of epoch 0, as a new run would begin (``fit(reset_time=True)``)."""
+        self.epoch = self.batch_in_epoch = 0
+        self._counted_from = (0, 0)
+        self._rng = None
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position as plain data (loadable with ``torch.load(weights_only=True)``): ``epoch``,

@@ -9,8 +9,9 @@ import math
 import operator
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as torch_sched
 
@@ -56,7 +57,7 @@ def _check_milestones(milestones: Iterable[int] | None) -> list[int]:
     """Return ``milestones`` as a list of ints, raising ValueError unless strictly increasing and >= 0."""
     expected = "a list of strictly increasing step indices >= 0, such as [30, 80]"
     try:
-        checked = [_check_int("milestones", m, 0, expected) for m in milestones]  # type: ignore[union-attr]
+        checked = [_check_int("milestones", m, 0, expected) for m in milestones]  # type: ignore[union-attr]  # None raises TypeError: caught
     except (TypeError, ValueError):  # TypeError: None or not iterable
         raise ValueError(f"milestones must be {expected}, got {milestones!r}") from None
     if any(a >= b for a, b in zip(checked, checked[1:])):
@@ -78,14 +79,19 @@ class _ClosedForm:
     last_epoch: int
     base_lrs: list[Any]
 
+    if TYPE_CHECKING:  # from the torch scheduler class this is mixed into
+        def state_dict(self) -> dict[str, Any]: ...
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
     def _closed_form(self, step: int, base_lrs: Sequence[float]) -> list[float]:
         raise NotImplementedError
 
-    def get_lr(self) -> list[float]:
-        return self._closed_form(min(self.last_epoch, self.total_steps), self.base_lrs)
+    # torch's signature: a scheduler's lrs may be tensors; these are floats.
+    def get_lr(self) -> list[float | Tensor]:
+        return cast("list[float | Tensor]", self._closed_form(min(self.last_epoch, self.total_steps), self.base_lrs))
 
     # torch calls this when step(epoch) is given; the closed form is the same answer.
-    def _get_closed_form_lr(self) -> list[float]:
+    def _get_closed_form_lr(self) -> list[float | Tensor]:
         return self.get_lr()
 
 
@@ -199,7 +205,7 @@ class OneCycleLR(torch_sched.OneCycleLR):
         optimizer: Optimizer,
         total_steps: int,
         pct_start: float = 0.3,
-        anneal_strategy: str = "cos",
+        anneal_strategy: Literal["cos", "linear"] = "cos",
         cycle_momentum: bool = True,
         base_momentum: float = 0.85,
         max_momentum: float = 0.95,
@@ -233,14 +239,14 @@ class OneCycleLR(torch_sched.OneCycleLR):
             last_epoch=last_epoch,
         )
 
-    def get_lr(self) -> list[float]:  # type: ignore[override]
+    def get_lr(self) -> list[float | Tensor]:
         if self.last_epoch < self.total_steps:
-            return super().get_lr()  # type: ignore[return-value]
+            return super().get_lr()
         # Hold the final lr (and momentum) rather than let torch raise past total_steps or
         # extrapolate the cosine at step == total_steps.
         stepped, self.last_epoch = self.last_epoch, self.total_steps - 1
         try:
-            return super().get_lr()  # type: ignore[return-value]
+            return super().get_lr()
         finally:
             self.last_epoch = stepped
 

@@ -102,13 +102,13 @@ class _WarmupScheduler(_ClosedForm, LRScheduler):
         # torch's default would pickle the after_scheduler object, optimizer and all; nest its
         # state_dict instead so checkpoints stay plain data (loadable with weights_only=True).
         state = super().state_dict()
-        state["after_scheduler"] = self.after_scheduler.state_dict()  # type: ignore[attr-defined]
+        state["after_scheduler"] = self.after_scheduler.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = dict(state_dict)
         after_state = state.pop("after_scheduler")
-        self.after_scheduler.load_state_dict(after_state)  # type: ignore[attr-defined]
+        self.after_scheduler.load_state_dict(after_state)
         super().load_state_dict(state)
 
 

@@ -160,9 +160,12 @@ class DeepSpeed(Strategy):
             self._group_of = {n: 0 for n, _ in model.named_parameters()}
         return engine, ds_optimizer
 
+    # `model` below is DeepSpeed's engine: an nn.Module whose own methods (backward, step, module,
+    # ...) the type checker cannot see, deepspeed having no type information; hence `engine: Any`.
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # kiln counts the micro-steps; DeepSpeed reduces gradients only on the boundary.
-        model.set_gradient_accumulation_boundary(enabled)
+        engine: Any = model
+        engine.set_gradient_accumulation_boundary(enabled)
 
     # DeepSpeed's engine scales the loss (its fp16 section), runs backward and steps, clipping
     # inside the step: kiln makes no scaler and hands over backward and the step.
@@ -171,7 +174,8 @@ class DeepSpeed(Strategy):
 
     def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
                  scaler: torch.amp.GradScaler | None) -> None:
-        model.backward(loss if scale is None else loss * scale, scale_wrt_gas=False)
+        engine: Any = model
+        engine.backward(loss if scale is None else loss * scale, scale_wrt_gas=False)
 
     def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
                        scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
@@ -179,17 +183,18 @@ class DeepSpeed(Strategy):
 
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                        scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+        engine: Any = model
         if not self.config.get("gradient_clipping"):
-            model.step()
+            engine.step()
             return None
-        if _partitioned(model.module):  # ZeRO records the global norm it clipped by
-            model.step()
-            norm = model.get_global_grad_norm()
+        if _partitioned(engine.module):  # ZeRO records the global norm it clipped by
+            engine.step()
+            norm = engine.get_global_grad_norm()
             return None if norm is None else torch.as_tensor(norm)
         # Without ZeRO the module's gradients are the averaged ones until step() clears them, and
         # DeepSpeed keeps no norm: read it first (no collective, every rank holds all of them).
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.module.parameters() if p.grad is not None])
-        model.step()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+        engine.step()
         return norm
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -96,6 +96,7 @@ class FSDP(Strategy):
                                        options=self.parallelize_options, blocks=blocks, cpu_offload=self.cpu_offload,
                                        reshard_after_forward=self.reshard_after_forward)
         # every rank reads its own batch (a world of 1 has no mesh: sharding would only add hooks)
+        assert plan.dims is not None  # on_mesh sets it
         self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, plan.dims), plan.dims.dp
         return plan
 

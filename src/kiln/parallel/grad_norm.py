@@ -77,8 +77,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in params:
+        grad = p.grad
+        assert grad is not None  # params are the parameters with a gradient
         # under no_grad, to_local() is the DTensor's own local tensor, so mul_ reaches the shard
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        g = grad.to_local() if isinstance(grad, DTensor) else grad
         by_device.setdefault(g.device, []).append(g)
     for device, grads in by_device.items():
         torch._foreach_mul_(grads, coef.to(device))

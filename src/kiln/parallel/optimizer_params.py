@@ -38,7 +38,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer | None, old_names: Mappin
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = old_names.get(id(p))
-            if optimizer.state.get(p) and new_params.get(name, p) is not p:
+            if optimizer.state.get(p) and name is not None and new_params.get(name, p) is not p:
                 # The state is full-size tensors keyed by the old parameter: sharding it here would be
                 # a second, hidden checkpoint format. Building the Engine first avoids the question.
                 raise ValueError(f"strategy={strategy!r} got an optimizer that already has state (it has "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ from kiln.parallel.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, Paralleliz
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
@@ -176,7 +178,7 @@ class PipelineRuntime:
         self.last_rank = dist.get_global_rank(group, (self.num_stages - 1) % pp_size)
         self.view = PipelineModule(model, self)
         self._names = parameter_names(model)
-        self._schedule = None
+        self._schedule: _PipelineSchedule | None = None
         self._step_loss: Callable[..., torch.Tensor] | None = None
         self._pending: tuple | None = None
 
@@ -219,12 +221,14 @@ class PipelineRuntime:
     def _run(self, args: tuple, kwargs: dict, target: Any, eval_only: bool) -> Any:
         if not self.built:
             self.build(args, kwargs)
+        schedule = self._schedule
+        assert schedule is not None  # built above
         step_args, step_kwargs = (args, kwargs) if self.has_first else ((), {})
         with self.precision.autocast(self.device):
             if eval_only:
-                return self._schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
-            return self._schedule.step(*step_args, target=target if self.has_last else None,
-                                       losses=[] if self.has_last else None, return_outputs=False, **step_kwargs)
+                return schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
+            return schedule.step(*step_args, target=target if self.has_last else None,
+                                 losses=[] if self.has_last else None, return_outputs=False, **step_kwargs)
 
     def train_step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[..., torch.Tensor], *,
                    scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
@@ -301,6 +305,10 @@ class PipelineSteps(Strategy):
     schedule: str
     microbatches: int | None
     example_input: Any
+
+    @property
+    def fixed_batch_rows(self) -> bool:
+        return self.pipeline is not None
 
     def setup_pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: ParallelizePlan,
                        group: dist.ProcessGroup, pp_rank: int, pp_size: int, *,
@@ -384,7 +392,8 @@ class Pipeline(PipelineSteps):
         if error:
             raise ValueError(error)
         plan = self.parallelize_plan(model, ctx, precision)
-        return self.setup_pipeline(model, optimizer, plan, dist.group.WORLD, ctx.rank, ctx.world_size), optimizer
+        world = cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional: None only before init_process_group
+        return self.setup_pipeline(model, optimizer, plan, world, ctx.rank, ctx.world_size), optimizer
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         group = self.pipeline.group if self.pipeline is not None else None

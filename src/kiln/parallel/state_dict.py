@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from kiln.engine import Engine
+
 __all__ = ["full_model_state_dict"]
 
 
-def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state_dict(model: nn.Module | Engine) -> dict[str, torch.Tensor]:
     """The model's full state dict: no ``module.`` prefixes, no DTensors, on every rank.
 
     Works for plain modules, DDP, FSDP2 and DTensor-parallel models alike, because
@@ -24,7 +27,7 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if hasattr(model, "strategy") and hasattr(model, "model"):  # a kiln Engine: its strategy knows the layout
+    if not isinstance(model, nn.Module):  # a kiln Engine: its strategy knows the layout
         state = model.strategy.state_dict(model.model, None, full=True)["model"]
         return {k: _plain(v) for k, v in state.items()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -89,6 +89,12 @@ class Strategy:
     # DDP-based strategies pass it to DistributedDataParallel (an explicit ddp kwarg wins).
     find_unused_parameters: bool = False
 
+    @property
+    def fixed_batch_rows(self) -> bool:
+        """Whether every forward must see the same number of rows (a traced pipeline's shapes are
+        fixed): evaluation then pads a short last batch and drops the padding's outputs."""
+        return False
+
     def configure(self, *, gradient_accumulation: int, clip_grad_norm: float | None) -> None:
         """Told before ``setup`` how the Engine accumulates and clips; a strategy that does either
         itself (DeepSpeed) reads them here."""
@@ -161,6 +167,7 @@ class Strategy:
         """Unscale (fp16) and clip to a global norm of ``max_norm``; returns the norm before clipping
         (None: the strategy clips inside :meth:`optimizer_step`)."""
         if scaler is not None:
+            assert optimizer is not None  # a scaler only comes with an optimizer
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         return self.clip_grad_norm_(model, max_norm)
 

@@ -11,7 +11,7 @@ the same batch: the group is one data-parallel replica.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,18 +34,19 @@ _ALIASES = {"sequence_parallel": "sequence", "local_colwise": "colwise", "local_
 _SPLITTABLE = (nn.Linear, nn.Embedding)
 
 
-def _style(name: str):
+def _style(name: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    return {
+    styles: dict[str, Callable[[], Any]] = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
         "sequence": SequenceParallel,
         # the output gathered on every rank (e.g. an LM head feeding an ordinary loss)
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(output_layouts=Replicate()),
-    }[name]()
+    }
+    return styles[name]()
 
 
 def matching_modules(model: nn.Module, pattern: str) -> list[str]:

@@ -59,7 +59,7 @@ class Zero1(DDP):
         return {**super().describe(), "parameters_as_bucket_view": self.parameters_as_bucket_view}
 
 
-def _constructor_defaults(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+def _constructor_defaults(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     # `defaults` may hold keys the constructor does not take (AdamW inherits Adam's
     # "decoupled_weight_decay" default but fixes it itself): keep the ones it accepts.
     params = inspect.signature(cls.__init__).parameters

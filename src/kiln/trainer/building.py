@@ -92,6 +92,15 @@ def check_algorithms(algorithms: Sequence[Any], engine: Engine) -> None:
             raise ValueError("clip_grad_norm= and the GradientClipping algorithm both clip gradients; keep one of them")
 
 
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer whose ``param_groups`` hold the learning rate: ``optimizer`` itself, or the
+    one a strategy's wrapper holds (DeepSpeed's ZeRO optimizer shares its param_groups)."""
+    inner = optimizer
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
                      ssr: float) -> tuple[list[Any], list[Any]]:
     """(stepped every batch, stepped every epoch). Time-aware (Composer) schedulers, and functions
@@ -109,7 +118,7 @@ def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
         if isinstance(scheduler, ComposerScheduler) or (callable(scheduler) and not hasattr(scheduler, "step")):
             if state.optimizer is None:
                 raise ValueError("a time-aware scheduler needs an optimizer; pass optimizers=")
-            scheduler = compile_composer_scheduler(scheduler, state, state.optimizer, ssr=ssr)
+            scheduler = compile_composer_scheduler(scheduler, state, _torch_optimizer(state.optimizer), ssr=ssr)
             per_batch.append(scheduler)
         else:
             scale_torch_scheduler(scheduler, ssr)

@@ -96,10 +96,12 @@ def _any_rank_has(trainer: Trainer, has_batch: bool) -> bool:
 
 def _dataset_batch(loader: Any) -> Any:
     """A batch of the dataset's first samples, for a rank whose shard is empty."""
-    dataset, collate = getattr(loader, "dataset", None), getattr(loader, "collate_fn", None)
+    # Any: whatever the loader holds; one that is missing or not map-style raises TypeError, caught below
+    dataset: Any = getattr(loader, "dataset", None)
+    collate: Any = getattr(loader, "collate_fn", None)
     try:
-        size = min(getattr(loader, "batch_size", None) or 1, len(dataset))  # type: ignore[arg-type]
-        return collate([dataset[i] for i in range(size)])  # type: ignore[index, misc]
+        size = min(getattr(loader, "batch_size", None) or 1, len(dataset))
+        return collate([dataset[i] for i in range(size)])
     except TypeError:
         raise ValueError(f"this rank's evaluation shard of {type(loader).__name__} is empty, and kiln cannot build a "
                          "padding batch from it (it needs a DataLoader over a map-style dataset); give every "
@@ -139,7 +141,7 @@ def even_batches(trainer: Trainer, loader: Any, limit: int | None = None) -> Ite
 
 def _fixed_rows(trainer: Trainer, loader: Any) -> int | None:
     """The row count every forward must have: a pipeline's traced shapes are fixed."""
-    if getattr(trainer.engine.strategy, "pipeline", None) is None:
+    if not trainer.engine.strategy.fixed_batch_rows:
         return None
     return getattr(loader, "batch_size", None)
 
@@ -150,7 +152,8 @@ def _repeat_rows(data: Any, rows: int, size: int) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_repeat_rows(item, rows, size) for item in data)
     if isinstance(data, Mapping):
-        return type(data)({k: _repeat_rows(v, rows, size) for k, v in data.items()})
+        return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: _repeat_rows(v, rows, size) for k, v in data.items()})
     return data
 
 
@@ -160,7 +163,8 @@ def _take_rows(data: Any, rows: int, size: int) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_take_rows(item, rows, size) for item in data)
     if isinstance(data, Mapping):
-        return type(data)({k: _take_rows(v, rows, size) for k, v in data.items()})
+        return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: _take_rows(v, rows, size) for k, v in data.items()})
     return data
 
 
@@ -170,13 +174,14 @@ def _forward(trainer: Trainer, batch: Any, fixed_rows: int | None,
     for the forward and cut back to the batch's own rows after it. No loss for prediction, whose
     batches may hold no targets."""
     rows = num_samples(batch) if fixed_rows else 0
-    padded = fixed_rows is not None and 0 < rows < fixed_rows
-    inputs = _repeat_rows(batch, rows, fixed_rows) if padded else batch
+    fixed = fixed_rows or 0
+    padded = 0 < rows < fixed
+    inputs = _repeat_rows(batch, rows, fixed) if padded else batch
     outputs = trainer.forward(inputs)
     model = trainer.state.model
     eval_outputs = model.eval_forward(inputs, outputs) if isinstance(model, Model) else outputs
     if padded:
-        outputs, eval_outputs = _take_rows(outputs, rows, fixed_rows), _take_rows(eval_outputs, rows, fixed_rows)
+        outputs, eval_outputs = _take_rows(outputs, rows, fixed), _take_rows(eval_outputs, rows, fixed)
     return outputs, trainer.loss_fn(outputs, batch) if with_loss else None, eval_outputs
 
 
@@ -193,7 +198,7 @@ def evaluate(trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_
     loss_metric = metrics["loss"]
     user_metrics = {k: m for k, m in metrics.items() if k != "loss"}
     model = state.model
-    is_kiln_model = isinstance(model, Model)
+    kiln_model = model if isinstance(model, Model) else None
     was_training = engine.model.training
     engine.eval()
     state.eval_dataloader = dataloader
@@ -210,10 +215,11 @@ def evaluate(trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_
         _, loss, outputs = _forward(trainer, batch, fixed_rows)
         state.outputs, state.eval_loss = outputs, loss
         events.run(Event.EVAL_AFTER_FORWARD)
+        assert loss is not None  # _forward computes the loss unless told not to
         loss_metric.update(loss.detach(), weight=num_samples(batch))
         for metric in user_metrics.values():
-            if is_kiln_model:
-                model.update_metric(batch, state.outputs, metric)
+            if kiln_model is not None:
+                kiln_model.update_metric(batch, state.outputs, metric)
             else:
                 metric.update(state.outputs, batch[1])
         events.run(Event.EVAL_BATCH_END)
@@ -276,7 +282,8 @@ def _gather_in_order(trainer: Trainer, loader: Any, outputs: list[Any]) -> list[
     dist.gather_object(shard, parts, dst=0)
     if rank != 0:
         return None
-    shards = [part for part in parts if part is not None]  # type: ignore[union-attr]
+    assert parts is not None  # rank 0 gathers
+    shards = [part for part in parts if part is not None]
     if not shards:
         return []
     # Sample i of the dataset is row i // W of shard i % W (see ShardSampler).
@@ -292,7 +299,8 @@ def _to_cpu(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(_to_cpu(item) for item in data)
     if isinstance(data, Mapping):
-        return type(data)({k: _to_cpu(v) for k, v in data.items()})
+        return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: _to_cpu(v) for k, v in data.items()})
     return data
 
 
@@ -303,7 +311,8 @@ def _cat_rows(parts: list[Any]) -> Any:
     if isinstance(first, (list, tuple)):
         return type(first)(_cat_rows([p[i] for p in parts]) for i in range(len(first)))
     if isinstance(first, Mapping):
-        return type(first)({k: _cat_rows([p[k] for p in parts]) for k in first})
+        return type(first)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: _cat_rows([p[k] for p in parts]) for k in first})
     raise TypeError(f"predict(gather=True) puts outputs in dataset order row by row, and cannot do that with "
                     f"a {type(first).__name__}; return tensors (or tuples/dicts of tensors) with a leading batch "
                     "dimension, or use gather=False")

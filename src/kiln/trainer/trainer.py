@@ -338,8 +338,10 @@ class Trainer:
                 opts.evaluation.eval_interval = Time(test_interval, TimeUnit.EPOCH)
         if display_progress is not None:
             self.progress.enabled = display_progress and state.rank == 0
-        if reset_time:
+        if reset_time:  # time and data start again from epoch 0
             state.timestamp.load_state_dict({})
+            if isinstance(self.train_dataloader, ResumableLoader):
+                self.train_dataloader.restart()
         if epochs is not None:
             duration = Time(epochs, TimeUnit.EPOCH)
         if duration is not None:
