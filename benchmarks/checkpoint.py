@@ -92,8 +92,10 @@ def main() -> None:
     size = tensor_bytes(state)
     n_params = sum(p.numel() for p in state.model.parameters())
     mb = size / 1e6
-    print(f"model: {n_params / 1e6:.1f}M parameters, model + AdamW state {mb:.0f} MB, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"model: {n_params / 1e6:.1f}M parameters, model + AdamW state {mb:.0f} MB, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
 
     plain = root / "plain.pt"
 
@@ -109,11 +111,14 @@ def main() -> None:
         state.timestamp.advance_batch(0)  # a new step, so a new ep{E}-ba{B} folder, as in training
         save_checkpoint(root / "kiln", state)
 
-    results = interleaved({
-        "torch.save": lambda: torch_save(False),
-        "torch.save + fsync": lambda: torch_save(True),
-        "kiln sharded save": lambda: kiln_save(),
-    }, args.rounds)
+    results = interleaved(
+        {
+            "torch.save": lambda: torch_save(False),
+            "torch.save + fsync": lambda: torch_save(True),
+            "kiln sharded save": lambda: kiln_save(),
+        },
+        args.rounds,
+    )
     fresh, _ = build(args.params, seed=1)
 
     def torch_load() -> None:
@@ -121,11 +126,16 @@ def main() -> None:
         fresh.model.load_state_dict(sd["model"])
         fresh.engine.optimizer.load_state_dict(sd["optimizer"])
 
-    results.update(interleaved({
-        "torch.load + load_state_dict": torch_load,
-        "kiln load (sha256 verified)": lambda: load_checkpoint(root / "kiln" / "last", fresh),
-        "kiln load (verify=False)": lambda: load_checkpoint(root / "kiln" / "last", fresh, verify=False),
-    }, args.rounds))
+    results.update(
+        interleaved(
+            {
+                "torch.load + load_state_dict": torch_load,
+                "kiln load (sha256 verified)": lambda: load_checkpoint(root / "kiln" / "last", fresh),
+                "kiln load (verify=False)": lambda: load_checkpoint(root / "kiln" / "last", fresh, verify=False),
+            },
+            args.rounds,
+        )
+    )
     print(f"{'':<32} {'median':>9} {'MB/s':>7}   {'best':>7} {'MB/s':>7}")
     for name, times in results.items():
         med, low = statistics.median(times), min(times)
@@ -151,8 +161,10 @@ def main() -> None:
         kind = "save_async=True" if save_async else "synchronous"
         extra = f"; the write then overlapped {overlapped:.1f} s of training" if save_async else ""
         stall = statistics.median(stalls)
-        print(f"stall per checkpoint, {kind:<16} median {stall:5.2f} s = {stall / step_time:5.1f} training steps "
-              f"of {step_time * 1e3:.0f} ms (best {min(stalls):.2f} s{extra})")
+        print(
+            f"stall per checkpoint, {kind:<16} median {stall:5.2f} s = {stall / step_time:5.1f} training steps "
+            f"of {step_time * 1e3:.0f} ms (best {min(stalls):.2f} s{extra})"
+        )
     shutil.rmtree(root, ignore_errors=True)
 
 

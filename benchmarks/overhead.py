@@ -31,7 +31,9 @@ def make(sizes: list[int]) -> nn.Module:
 
 def batches(steps: int, batch: int, dim: int, classes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch, dim, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, dim, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(steps)
+    ]
 
 
 def raw_loop(model, opt, crit, data) -> float:
@@ -66,8 +68,11 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
     def build():
         torch.manual_seed(0)
         model = make(sizes)
-        opt = (torch.optim.SGD(model.parameters(), lr=0.01) if optim == "sgd"
-               else torch.optim.AdamW(model.parameters(), lr=1e-3))
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=0.01)
+            if optim == "sgd"
+            else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        )
         return model, opt
 
     m_raw, o_raw = build()
@@ -76,24 +81,38 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
     m_eng, o_eng = build()
     engine, *_ = kiln.initialize(m_eng, o_eng, nn.CrossEntropyLoss(), config={})
     m_tr, o_tr = build()
-    trainer = kiln.Trainer(m_tr, train_dataloader=data, optimizers=o_tr, criterion=nn.CrossEntropyLoss(),
-                           progress_bar=False, max_duration="1ba")
+    trainer = kiln.Trainer(
+        m_tr,
+        train_dataloader=data,
+        optimizers=o_tr,
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+        max_duration="1ba",
+    )
     for _ in range(2):  # warm up allocator and autograd caches
-        raw_loop(m_raw, o_raw, crit, data[:50]); engine_loop(engine, data[:50]); trainer_loop(trainer, data[:50])  # noqa: E702
-    loops = {"raw": lambda: raw_loop(m_raw, o_raw, crit, data), "engine": lambda: engine_loop(engine, data),
-             "trainer": lambda: trainer_loop(trainer, data), "raw2": lambda: raw_loop(m_raw2, o_raw2, crit, data)}
+        raw_loop(m_raw, o_raw, crit, data[:50])
+        engine_loop(engine, data[:50])
+        trainer_loop(trainer, data[:50])  # noqa: E702
+    loops = {
+        "raw": lambda: raw_loop(m_raw, o_raw, crit, data),
+        "engine": lambda: engine_loop(engine, data),
+        "trainer": lambda: trainer_loop(trainer, data),
+        "raw2": lambda: raw_loop(m_raw2, o_raw2, crit, data),
+    }
     times: dict[str, list[float]] = {k: [] for k in loops}
     order = list(loops)
     for r in range(rounds):
-        for loop in order[r % len(order):] + order[:r % len(order)]:  # rotate, so no loop always runs first
+        for loop in order[r % len(order) :] + order[: r % len(order)]:  # rotate, so no loop always runs first
             times[loop].append(loops[loop]() / steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     # Ratios are paired within a round (loops seconds apart), then the median over rounds: slow
     # drifts in the machine's load cancel, which a ratio of medians would not do.
     ratio = {k: statistics.median(t / r for t, r in zip(times[k], times["raw"])) for k in times}
-    print(f"{name}: raw {med['raw'] * 1e6:.1f} us/step | engine {med['engine'] * 1e6:.1f} us "
-          f"({ratio['engine']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({ratio['trainer']:.3f}x)"
-          f" | noise floor: raw again {ratio['raw2']:.3f}x")
+    print(
+        f"{name}: raw {med['raw'] * 1e6:.1f} us/step | engine {med['engine'] * 1e6:.1f} us "
+        f"({ratio['engine']:.3f}x) | trainer {med['trainer'] * 1e6:.1f} us ({ratio['trainer']:.3f}x)"
+        f" | noise floor: raw again {ratio['raw2']:.3f}x"
+    )
     # Python function calls per step: a count, so unlike the times it does not move with the
     # machine's load; the difference to raw is kiln's own per-step work.
     calls = {
@@ -101,8 +120,10 @@ def bench(name: str, sizes: list[int], batch: int, optim: str, steps: int, round
         "engine": _calls_per_step(lambda: engine_loop(engine, data), steps),
         "trainer": _calls_per_step(lambda: trainer_loop(trainer, data), steps),
     }
-    print(f"{' ' * len(name)}  python calls/step: raw {calls['raw']:.1f} | engine {calls['engine']:.1f} "
-          f"(+{calls['engine'] - calls['raw']:.1f}) | trainer {calls['trainer']:.1f} (+{calls['trainer'] - calls['raw']:.1f})")
+    print(
+        f"{' ' * len(name)}  python calls/step: raw {calls['raw']:.1f} | engine {calls['engine']:.1f} "
+        f"(+{calls['engine'] - calls['raw']:.1f}) | trainer {calls['trainer']:.1f} (+{calls['trainer'] - calls['raw']:.1f})"
+    )
     return med
 
 
@@ -126,8 +147,14 @@ def main() -> None:
     torch.set_num_threads(1)
     bench("tiny MLP 32-64-10, batch 32, SGD", [32, 64, 10], 32, "sgd", args.steps, args.rounds)
     if not args.skip_medium:
-        bench("medium MLP 512-2048-2048-10, batch 128, AdamW", [512, 2048, 2048, 10], 128, "adamw",
-              max(20, args.steps // 10), max(5, args.rounds // 3))
+        bench(
+            "medium MLP 512-2048-2048-10, batch 128, AdamW",
+            [512, 2048, 2048, 10],
+            128,
+            "adamw",
+            max(20, args.steps // 10),
+            max(5, args.rounds // 3),
+        )
 
 
 if __name__ == "__main__":

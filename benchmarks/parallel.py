@@ -67,8 +67,9 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps this rank's state here
     params = sum(_local_bytes(p) for p in model.parameters())
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(_local_bytes(v) for s in inner.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)  # Adam's 0-d "step" counters aside
+    state = sum(
+        _local_bytes(v) for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+    )  # Adam's 0-d "step" counters aside
     return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}
 
 
@@ -89,7 +90,10 @@ def worker(args: argparse.Namespace) -> None:
     world = ctx.world_size
     split = f"blocks.{args.blocks // 2}"
     strategies = {
-        "ddp": lambda: "ddp", "zero1": lambda: "zero1", "zero2": lambda: "zero2", "zero3": lambda: "zero3",
+        "ddp": lambda: "ddp",
+        "zero1": lambda: "zero1",
+        "zero2": lambda: "zero2",
+        "zero3": lambda: "zero3",
         "tp": lambda: TensorParallel({"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}),
         "pp": lambda: Pipeline([split], schedule="1f1b", microbatches=4),
         **{f"ds_zero{stage}": (lambda stage=stage: _deepspeed(stage)) for stage in (1, 2, 3)},
@@ -99,7 +103,10 @@ def worker(args: argparse.Namespace) -> None:
     x_all = torch.randn(args.global_batch, args.dim, generator=g)
     y_all = torch.randint(0, 16, (args.global_batch,), generator=g)
     per_rank = args.global_batch // world
-    local = (x_all[ctx.rank * per_rank:(ctx.rank + 1) * per_rank], y_all[ctx.rank * per_rank:(ctx.rank + 1) * per_rank])
+    local = (
+        x_all[ctx.rank * per_rank : (ctx.rank + 1) * per_rank],
+        y_all[ctx.rank * per_rank : (ctx.rank + 1) * per_rank],
+    )
     criterion = nn.CrossEntropyLoss()
 
     def make():
@@ -135,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in runners}
     order = list(runners)
     for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:  # rotated: no one always goes first
+        for name in order[r % len(order) :] + order[: r % len(order)]:  # rotated: no one always goes first
             step = runners[name][0]
             dist.barrier()
             start = time.perf_counter()
@@ -143,8 +150,12 @@ def worker(args: argparse.Namespace) -> None:
                 step()
             dist.barrier()  # the step is done when the slowest rank is
             times[name].append(time.perf_counter() - start)
-    result = {"world_size": world, "global_batch": args.global_batch,
-              "params": sum(p.numel() for p in Net(args.dim, args.hidden, args.blocks).parameters()), "strategies": {}}
+    result = {
+        "world_size": world,
+        "global_batch": args.global_batch,
+        "params": sum(p.numel() for p in Net(args.dim, args.hidden, args.blocks).parameters()),
+        "strategies": {},
+    }
     for name, (_, model, opt) in runners.items():
         t = statistics.median(times[name])
         # each round's ratio compares runs seconds apart, so slow drifts in the machine's load cancel
@@ -154,8 +165,12 @@ def worker(args: argparse.Namespace) -> None:
         mem = None if name.startswith("ds_") else held_bytes(model, opt)
         gathered = [None] * world
         dist.all_gather_object(gathered, mem and mem["total"])
-        result["strategies"][name] = {"samples_per_s": args.global_batch * args.steps / t, "vs_raw_ddp": ratio,
-                                      "memory_per_rank": mem, "memory_max_rank": mem and max(gathered)}
+        result["strategies"][name] = {
+            "samples_per_s": args.global_batch * args.steps / t,
+            "vs_raw_ddp": ratio,
+            "memory_per_rank": mem,
+            "memory_max_rank": mem and max(gathered),
+        }
     ddp_mem = result["strategies"].get("ddp", result["strategies"]["raw_ddp"])["memory_per_rank"]["total"]
     for entry in result["strategies"].values():
         entry["memory_vs_ddp"] = entry["memory_per_rank"] and entry["memory_per_rank"]["total"] / ddp_mem
@@ -167,12 +182,19 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def format_result(result: dict) -> str:
-    head = f"{result['world_size']} ranks, {result['params'] / 1e6:.2f}M parameters, global batch {result['global_batch']}"
-    lines = [head, f"{'strategy':10} {'samples/s':>10} {'vs raw DDP':>10} {'MiB/rank':>9} {'vs ddp':>7}"
-                   "  (params+grads+optimizer)"]
+    head = (
+        f"{result['world_size']} ranks, {result['params'] / 1e6:.2f}M parameters, global batch {result['global_batch']}"
+    )
+    lines = [
+        head,
+        f"{'strategy':10} {'samples/s':>10} {'vs raw DDP':>10} {'MiB/rank':>9} {'vs ddp':>7}  (params+grads+optimizer)",
+    ]
     for name, r in result["strategies"].items():
-        mem = (f"{r['memory_per_rank']['total'] / 2**20:9.2f} {r['memory_vs_ddp']:7.3f}" if r["memory_per_rank"]
-               else f"{'-':>9} {'-':>7}")
+        mem = (
+            f"{r['memory_per_rank']['total'] / 2**20:9.2f} {r['memory_vs_ddp']:7.3f}"
+            if r["memory_per_rank"]
+            else f"{'-':>9} {'-':>7}"
+        )
         lines.append(f"{name:10} {r['samples_per_s']:10.1f} {r['vs_raw_ddp']:10.3f} {mem}")
     return "\n".join(lines)
 
@@ -193,8 +215,11 @@ def main() -> int:
         worker(args)
         return 0
     # Not under torchrun yet: launch this file on --nproc processes with `kiln run`.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", str(args.nproc), __file__, *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
 

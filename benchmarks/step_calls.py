@@ -51,18 +51,55 @@ ROOT = Path(__file__).resolve().parents[1]
 # records who called them (kiln and torchmetrics look them up at call time); the profiler counts
 # every collective, whatever its caller.
 COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
-    "reduce_scatter", "reduce_scatter_tensor", "broadcast", "reduce", "gather", "scatter", "all_to_all",
-    "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list", "send_object_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
     "recv_object_list",
 )
 STORE_OPS = ("set", "get", "add", "compare_set", "wait", "check", "delete_key", "multi_get", "multi_set", "append")
 # Tensor methods that hand a tensor's value to Python: on an accelerator each waits for the device.
-HOST_READS = frozenset({
-    "item", "__float__", "__int__", "__bool__", "__index__", "__complex__", "tolist", "numpy", "cpu",
-    "__format__", "__repr__", "__str__", "__array__", "equal", "allclose", "is_nonzero",
-})
+HOST_READS = frozenset(
+    {
+        "item",
+        "__float__",
+        "__int__",
+        "__bool__",
+        "__index__",
+        "__complex__",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__format__",
+        "__repr__",
+        "__str__",
+        "__array__",
+        "equal",
+        "allclose",
+        "is_nonzero",
+    }
+)
 _MARK = "step_calls.step:"
 _HERE = str(Path(__file__).resolve())
 _SKIP = (os.path.dirname(torch.__file__), os.path.dirname(threading.__file__), _HERE)
@@ -95,8 +132,12 @@ class _HostReads(TorchFunctionMode):
 
 def _to_cpu(args: tuple, kwargs: dict) -> bool:
     device = kwargs.get("device", args[1] if len(args) > 1 else None)
-    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu" and \
-        isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+    return (
+        isinstance(device, (str, torch.device))
+        and torch.device(device).type == "cpu"
+        and isinstance(args[0], torch.Tensor)
+        and args[0].device.type != "cpu"
+    )
 
 
 class StepCalls:
@@ -153,7 +194,7 @@ class StepCalls:
         step = 0
         for event in sorted(self._profile.events(), key=lambda e: e.time_range.start):
             if event.name.startswith(_MARK):
-                step = int(event.name[len(_MARK):])
+                step = int(event.name[len(_MARK) :])
             elif event.name.startswith("c10d::"):
                 self._c10d.append((step, event.name))
 
@@ -173,14 +214,20 @@ class StepCalls:
     # -- results ---------------------------------------------------------------------------------
     def per_step(self) -> list[dict[str, Any]]:
         """One entry per step ("setup" first): counts by operation, and the sites of the Python calls."""
+
         def at(records: list[tuple[int, str, str]], step: int) -> list[str]:
             return [f"{name} at {site}" for s, name, site in records if s == step]
 
-        return [{"step": step or "setup",
-                 "collectives": dict(Counter(name for s, name in self._c10d if s == step)),
-                 "python_collectives": at(self.python_calls, step),
-                 "store_ops": at(self.store_ops, step),
-                 "host_reads": at(self.host_reads, step)} for step in range(self.step + 1)]
+        return [
+            {
+                "step": step or "setup",
+                "collectives": dict(Counter(name for s, name in self._c10d if s == step)),
+                "python_collectives": at(self.python_calls, step),
+                "store_ops": at(self.store_ops, step),
+                "host_reads": at(self.host_reads, step),
+            }
+            for step in range(self.step + 1)
+        ]
 
 
 class _Marked:
@@ -245,25 +292,36 @@ def engine(steps: int, rank: int) -> StepCalls:
     return calls
 
 
-def trainer(steps: int, epoch_batches: int, rank: int, log_interval: int, folder: str) -> tuple[StepCalls, dict[str, Any]]:
+def trainer(
+    steps: int, epoch_batches: int, rank: int, log_interval: int, folder: str
+) -> tuple[StepCalls, dict[str, Any]]:
     import kiln
     from kiln.loggers import ConsoleLogger, FileLogger
 
     model = _model()
     console = io.StringIO()
     calls = StepCalls()
-    tr = kiln.Trainer(model, train_dataloader=calls.wrap_batches(_batches(epoch_batches, rank)),
-                      max_duration=f"{steps}ba", optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                      criterion=nn.CrossEntropyLoss(), log_interval=f"{log_interval}ba",
-                      loggers=[ConsoleLogger(stream=console), FileLogger(f"{folder}/metrics.jsonl")])
+    tr = kiln.Trainer(
+        model,
+        train_dataloader=calls.wrap_batches(_batches(epoch_batches, rank)),
+        max_duration=f"{steps}ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        log_interval=f"{log_interval}ba",
+        loggers=[ConsoleLogger(stream=console), FileLogger(f"{folder}/metrics.jsonl")],
+    )
     # progress_bar=True is the default; the bar draws only on a terminal (anything else gets one
     # line per epoch), so it is given a stream that says it is one.
     bar = tr.progress.stream = TerminalStream()
     with calls:
         tr.fit()
     tr.close()
-    return calls, {"console": console.getvalue(), "bar": bar.getvalue(), "bar_enabled": tr.progress.enabled,
-                   "bar_shows_logged": getattr(tr.progress, "logger", None) is tr.logger}
+    return calls, {
+        "console": console.getvalue(),
+        "bar": bar.getvalue(),
+        "bar_enabled": tr.progress.enabled,
+        "bar_shows_logged": getattr(tr.progress, "logger", None) is tr.logger,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -274,9 +332,15 @@ def worker(args: argparse.Namespace) -> None:
         loops = {"raw": raw_ddp(args.steps, ctx.rank), "engine": engine(args.steps, ctx.rank)}
         loops["trainer"], shown = trainer(args.steps, args.epoch_batches, ctx.rank, args.log_interval, folder)
         logged = Path(folder, "metrics.jsonl").read_text() if ctx.rank == 0 else ""
-    result = {"rank": ctx.rank, "steps": args.steps, "epoch_batches": args.epoch_batches,
-              "log_interval": args.log_interval, "logged": logged, **shown,
-              "loops": {name: calls.per_step() for name, calls in loops.items()}}
+    result = {
+        "rank": ctx.rank,
+        "steps": args.steps,
+        "epoch_batches": args.epoch_batches,
+        "log_interval": args.log_interval,
+        "logged": logged,
+        **shown,
+        "loops": {name: calls.per_step() for name, calls in loops.items()},
+    }
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, f"rank{ctx.rank}.json").write_text(json.dumps(result, indent=1))
@@ -287,8 +351,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def summary(result: dict[str, Any]) -> str:
     """Per loop: the steps grouped by what they did."""
-    head = (f"rank {result['rank']}: {result['steps']} steps; the Trainer's epochs {result['epoch_batches']} batches, "
-            f"log_interval {result['log_interval']}ba")
+    head = (
+        f"rank {result['rank']}: {result['steps']} steps; the Trainer's epochs {result['epoch_batches']} batches, "
+        f"log_interval {result['log_interval']}ba"
+    )
     lines = [head]
     for name, steps in result["loops"].items():
         groups: dict[str, list[Any]] = {}
@@ -331,8 +397,11 @@ def main() -> int:
         worker(args)
         return 0
     # Not under torchrun yet: launch this file on --nproc processes with `kiln run`.
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", str(args.nproc), __file__, *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
 

@@ -10,7 +10,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 
-def digits_datasets(test_fraction: float = 0.2, seed: int = 0, flat: bool = False) -> tuple[TensorDataset, TensorDataset]:
+def digits_datasets(
+    test_fraction: float = 0.2, seed: int = 0, flat: bool = False
+) -> tuple[TensorDataset, TensorDataset]:
     """(train, test) datasets of images (N, 1, 8, 8) in [0, 1] (or (N, 64) when flat) and labels."""
     from sklearn.datasets import load_digits
 
@@ -30,12 +32,17 @@ class DigitsCNN(torch.nn.Module):
     def __init__(self, num_classes: int = 10, dropout: float = 0.1) -> None:
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(1, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, padding=1),
+            torch.nn.ReLU(),
             torch.nn.MaxPool2d(2),
         )
         self.classifier = torch.nn.Sequential(
-            torch.nn.Flatten(), torch.nn.Dropout(dropout), torch.nn.Linear(64 * 4 * 4, 128), torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Dropout(dropout),
+            torch.nn.Linear(64 * 4 * 4, 128),
+            torch.nn.ReLU(),
             torch.nn.Linear(128, num_classes),
         )
 

@@ -43,9 +43,12 @@ def main() -> float:
 
     # Step 4: wrap them; the config's fp16 section turns on torch amp with a GradScaler.
     engine, train_dataloader, test_dataloader, _ = kiln.initialize(
-        model, optimizer, criterion, train_dataloader, test_dataloader)
-    logger.info(f"training on {ctx.world_size} process(es), precision {engine.precision.name}, "
-                f"strategy {engine.strategy.name}", ranks=[0])
+        model, optimizer, criterion, train_dataloader, test_dataloader
+    )
+    logger.info(
+        f"training on {ctx.world_size} process(es), precision {engine.precision.name}, strategy {engine.strategy.name}",
+        ranks=[0],
+    )
 
     # Step 5: train with the engine.
     start = time.perf_counter()
@@ -70,8 +73,11 @@ def main() -> float:
             correct += int((output.argmax(dim=-1) == label).sum())
             total += img.size(0)
         accuracy = correct / total
-        logger.info(f"Epoch {epoch} - train loss: {train_loss.item():.5}, test loss: {test_loss.item():.5}, "
-                    f"acc: {accuracy:.5}, lr: {lr_scheduler.get_last_lr()[0]:.5g}", ranks=[0])
+        logger.info(
+            f"Epoch {epoch} - train loss: {train_loss.item():.5}, test loss: {test_loss.item():.5}, "
+            f"acc: {accuracy:.5}, lr: {lr_scheduler.get_last_lr()[0]:.5g}",
+            ranks=[0],
+        )
     logger.info(f"final test accuracy: {accuracy:.4f} ({time.perf_counter() - start:.1f}s)", ranks=[0])
     return accuracy
 

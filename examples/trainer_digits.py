@@ -25,7 +25,9 @@ from digits_data import DigitsCNN, digits_datasets  # noqa: E402
 
 def main() -> float:
     config = Path(__file__).with_name("digits_config.py")
-    ctx = kiln.launch_from_torch(config=config, seed=42) if "RANK" in os.environ else kiln.launch(config=config, seed=42)
+    ctx = (
+        kiln.launch_from_torch(config=config, seed=42) if "RANK" in os.environ else kiln.launch(config=config, seed=42)
+    )
     cfg = ctx.config
     logger = kiln.get_dist_logger()
 
@@ -38,7 +40,8 @@ def main() -> float:
     lr_scheduler = CosineAnnealingLR(optimizer, total_steps=cfg.NUM_EPOCHS)
 
     engine, train_dataloader, test_dataloader, _ = kiln.initialize(
-        model, optimizer, criterion, train_dataloader, test_dataloader)
+        model, optimizer, criterion, train_dataloader, test_dataloader
+    )
 
     # Step 6: train with the trainer and its hooks.
     trainer = kiln.Trainer(engine=engine, logger=logger)

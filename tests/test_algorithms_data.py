@@ -37,8 +37,9 @@ def _images(n=10, size=32, seed=1, masks=False):
 
 def test_progressive_resizing_follows_the_schedule():
     model = ImageNet()
-    loop = MiniLoop(model, [ProgressiveResizing(initial_scale=0.5, finetune_fraction=0.2, delay_fraction=0.5)],
-                    max_duration="10ba")
+    loop = MiniLoop(
+        model, [ProgressiveResizing(initial_scale=0.5, finetune_fraction=0.2, delay_fraction=0.5)], max_duration="10ba"
+    )
     x, y = _images()
     for _ in range(10):
         loop.train_batch((x, y))
@@ -54,13 +55,14 @@ def test_progressive_resizing_crop_with_targets():
     def loss(outputs, masks):  # a stand-in segmentation loss: checks the masks' shape
         assert masks.shape[-1] == 16
         return outputs.sum() * 0
+
     resize = ProgressiveResizing(mode="crop", initial_scale=0.5, resize_targets=True, seed=4)
     loop = MiniLoop(model, [resize], criterion=loss, max_duration="10ba")
     x, masks = _images(masks=True)
     loop.train_batch((x, masks))
     g = torch.Generator().manual_seed(4)
     top, left = int(torch.randint(17, (), generator=g)), int(torch.randint(17, (), generator=g))
-    assert torch.equal(model.inputs[0], x[..., top:top + 16, left:left + 16])
+    assert torch.equal(model.inputs[0], x[..., top : top + 16, left : left + 16])
 
 
 class TokenModel(kiln.Model):
@@ -88,8 +90,11 @@ def _tokens(seed=0):
 @pytest.mark.parametrize("truncate", [True, False])
 def test_seq_length_warmup_schedule(truncate):
     model = TokenModel()
-    loop = MiniLoop(model, [SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=64, step_size=8,
-                                            truncate=truncate)], max_duration="10ba")
+    loop = MiniLoop(
+        model,
+        [SeqLengthWarmup(duration=0.5, min_seq_length=8, max_seq_length=64, step_size=8, truncate=truncate)],
+        max_duration="10ba",
+    )
     batch = _tokens()
     for _ in range(7):
         loop.train_batch(batch)
@@ -126,6 +131,7 @@ def test_selective_backprop_keeps_the_highest_loss_fraction(loss_kind):
 
     def item_loss(outputs, targets):  # .item() stops vmap: scored one sample at a time
         return F.cross_entropy(outputs, targets) * (1.0 + 0 * outputs.sum().item())
+
     criterion = item_loss if loss_kind == "loop" else nn.CrossEntropyLoss()
     given = (lambda out, b: F.cross_entropy(out, b[1], reduction="none")) if loss_kind == "given" else None
     selective = SelectiveBackprop(start=0.0, end=1.0, keep=0.4, interrupt=0, per_sample_loss=given)

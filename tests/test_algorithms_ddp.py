@@ -44,6 +44,10 @@ def test_the_flag_comes_from_the_algorithms():
     assert kiln.algorithms.StochasticDepth.find_unused_parameters
     assert kiln.algorithms.LayerFreezing.find_unused_parameters
     assert not kiln.algorithms.MixUp.find_unused_parameters
-    trainer = kiln.Trainer(torch.nn.Linear(2, 2), criterion=torch.nn.CrossEntropyLoss(),
-                           algorithms=[kiln.algorithms.LayerFreezing()], strategy="ddp")
+    trainer = kiln.Trainer(
+        torch.nn.Linear(2, 2),
+        criterion=torch.nn.CrossEntropyLoss(),
+        algorithms=[kiln.algorithms.LayerFreezing()],
+        strategy="ddp",
+    )
     assert trainer.engine.strategy.find_unused_parameters  # one process: no DDP wrapper, the flag is kept

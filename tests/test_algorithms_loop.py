@@ -34,22 +34,43 @@ E = kiln.Event
 
 
 def _split(batch: Any, size: int) -> list[Any]:
-    return [map_tensors(batch, lambda t, i=i: t[i:i + size]) for i in range(0, num_samples(batch), size)]
+    return [map_tensors(batch, lambda t, i=i: t[i : i + size]) for i in range(0, num_samples(batch), size)]
 
 
 class MiniLoop:
     """State + Engine built by hand; ``train_batch`` fires the events of one training batch."""
 
-    def __init__(self, model: nn.Module, algorithms=(), *, lr: float = 0.1, optimizer=None, criterion=None,
-                 max_duration: str = "10ba", grad_accum: int = 1, seed: int = 0, precision: str | None = None,
-                 momentum: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        algorithms=(),
+        *,
+        lr: float = 0.1,
+        optimizer=None,
+        criterion=None,
+        max_duration: str = "10ba",
+        grad_accum: int = 1,
+        seed: int = 0,
+        precision: str | None = None,
+        momentum: float = 0.0,
+    ) -> None:
         self.optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         self.criterion = criterion or nn.CrossEntropyLoss()
-        self.engine = kiln.Engine(model, self.optimizer, None if isinstance(model, kiln.Model) else self.criterion,
-                                  precision=precision, strategy="single")
-        self.state = state = kiln.State(model, optimizers=[self.optimizer], seed=seed, algorithms=list(algorithms),
-                                        max_duration=Time.from_timestring(max_duration),
-                                        precision=self.engine.precision)
+        self.engine = kiln.Engine(
+            model,
+            self.optimizer,
+            None if isinstance(model, kiln.Model) else self.criterion,
+            precision=precision,
+            strategy="single",
+        )
+        self.state = state = kiln.State(
+            model,
+            optimizers=[self.optimizer],
+            seed=seed,
+            algorithms=list(algorithms),
+            max_duration=Time.from_timestring(max_duration),
+            precision=self.engine.precision,
+        )
         state.engine = self.engine
         if isinstance(model, kiln.Model):
             state.loss_fn = model.loss
@@ -62,7 +83,7 @@ class MiniLoop:
 
     def run(self, event: kiln.Event) -> None:
         algorithms = self.state.algorithms
-        for algorithm in (reversed(algorithms) if event.is_after_event else algorithms):
+        for algorithm in reversed(algorithms) if event.is_after_event else algorithms:
             if algorithm.match(event, self.state):
                 algorithm.apply(event, self.state, None)
 
@@ -141,9 +162,13 @@ class MiniLoop:
     # -- resume ----------------------------------------------------------------------------------
     def checkpoint(self) -> bytes:
         state = self.state
-        saved = {"model": state.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "timestamp": state.timestamp.state_dict(), "algorithms": [a.state_dict() for a in state.algorithms],
-                 "rng": torch.get_rng_state()}
+        saved = {
+            "model": state.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "timestamp": state.timestamp.state_dict(),
+            "algorithms": [a.state_dict() for a in state.algorithms],
+            "rng": torch.get_rng_state(),
+        }
         buffer = io.BytesIO()
         torch.save(saved, buffer)
         return buffer.getvalue()

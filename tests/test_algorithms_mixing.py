@@ -140,8 +140,11 @@ def test_mixup_per_microbatch_and_class_count_from_outputs():
     assert all(torch.allclose(t.sum(1), torch.ones(4)) for t in loss.targets)
 
 
-@pytest.mark.parametrize("make", [lambda: [MixUp(alpha=0.3)], lambda: [CutMix(interpolate_loss=True)],
-                                  lambda: [LabelSmoothing(0.1), CutMix()]], ids=["mixup", "cutmix", "smooth+cutmix"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: [MixUp(alpha=0.3)], lambda: [CutMix(interpolate_loss=True)], lambda: [LabelSmoothing(0.1), CutMix()]],
+    ids=["mixup", "cutmix", "smooth+cutmix"],
+)
 def test_resume_is_bit_exact(make):
     g = torch.Generator().manual_seed(0)
     epoch = [(torch.randn(8, 3, 4, 4, generator=g), torch.randint(0, NUM_CLASSES, (8,), generator=g)) for _ in range(4)]

@@ -63,8 +63,9 @@ def test_stochastic_depth_drops_blocks_as_drawn_in_training_only():
 
 def test_stochastic_depth_per_sample_and_warmup():
     model = _resnet(1)
-    depth = StochasticDepth(Block, stochastic_method="sample", drop_rate=0.5, drop_distribution="uniform",
-                            drop_warmup="2ba", seed=3)
+    depth = StochasticDepth(
+        Block, stochastic_method="sample", drop_rate=0.5, drop_distribution="uniform", drop_warmup="2ba", seed=3
+    )
     loop = MiniLoop(model, [depth], max_duration="4ba")
     loop.run(kiln.Event.BATCH_START)
     assert model[1]._kiln_drop_rate == 0.0  # warmup starts from zero

@@ -90,7 +90,9 @@ class _Tokens(torch.utils.data.Dataset):
 
 def _images():
     g = torch.Generator().manual_seed(2)
-    return torch.utils.data.TensorDataset(torch.randn(32, 3, 6, 6, generator=g), torch.randint(0, 4, (32,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(32, 3, 6, 6, generator=g), torch.randint(0, 4, (32,), generator=g)
+    )
 
 
 CASES = {
@@ -104,15 +106,25 @@ CASES = {
     "gradient_clipping": lambda: [GradientClipping("adaptive", 0.05)],
     "channels_last": lambda: [ChannelsLast()],
     "stochastic_depth": lambda: [StochasticDepth("ResBlock", drop_rate=0.5, drop_warmup="2ba")],
-    "progressive_resizing": lambda: [ProgressiveResizing("crop", initial_scale=0.5, delay_fraction=0.0,
-                                                         finetune_fraction=0.3)],
+    "progressive_resizing": lambda: [
+        ProgressiveResizing("crop", initial_scale=0.5, delay_fraction=0.0, finetune_fraction=0.3)
+    ],
     "selective_backprop": lambda: [SelectiveBackprop(start=0.2, end=0.8, keep=0.5)],
     "low_precision_layernorm": lambda: [LowPrecisionLayerNorm()],
     "seq_length_warmup": lambda: [SeqLengthWarmup(duration=0.6, min_seq_length=8, max_seq_length=32)],
-    "many": lambda: [SelectiveBackprop(start=0.2, end=0.8, keep=0.5), ProgressiveResizing(initial_scale=0.5),
-                     GradientClipping("norm", 1.0), SAM(rho=0.1), MixUp(alpha=0.3), CutMix(), LabelSmoothing(0.1),
-                     EMA(half_life="3ba"), StochasticDepth("ResBlock", stochastic_method="sample", drop_rate=0.3),
-                     LayerFreezing(freeze_start=0.1, freeze_level=0.8), ChannelsLast()],
+    "many": lambda: [
+        SelectiveBackprop(start=0.2, end=0.8, keep=0.5),
+        ProgressiveResizing(initial_scale=0.5),
+        GradientClipping("norm", 1.0),
+        SAM(rho=0.1),
+        MixUp(alpha=0.3),
+        CutMix(),
+        LabelSmoothing(0.1),
+        EMA(half_life="3ba"),
+        StochasticDepth("ResBlock", stochastic_method="sample", drop_rate=0.3),
+        LayerFreezing(freeze_start=0.1, freeze_level=0.8),
+        ChannelsLast(),
+    ],
 }
 
 
@@ -155,15 +167,23 @@ def _trainer(name: str, folder, stop_after: int = 0, autoresume: bool = False):
     model = TokenModel() if tokens else SmallResNet()
     record = _Record(stop_after)
     trainer = kiln.Trainer(
-        model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+        model,
+        train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
         eval_dataloader=None if tokens else torch.utils.data.DataLoader(data, batch_size=16),
-        max_duration="3ep", optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        max_duration="3ep",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="2ba"),
-        criterion=None if tokens else nn.CrossEntropyLoss(), grad_accum=2, seed=5,
+        criterion=None if tokens else nn.CrossEntropyLoss(),
+        grad_accum=2,
+        seed=5,
         precision="amp_bf16" if name == "low_precision_layernorm" else None,
-        algorithms=CASES[name](), callbacks=[record], save_folder=folder,
-        save_interval=lambda state, event: state.timestamp.batch_in_epoch.value == 2, autoresume=autoresume,
-        progress_bar=False)
+        algorithms=CASES[name](),
+        callbacks=[record],
+        save_folder=folder,
+        save_interval=lambda state, event: state.timestamp.batch_in_epoch.value == 2,
+        autoresume=autoresume,
+        progress_bar=False,
+    )
     return trainer, record
 
 

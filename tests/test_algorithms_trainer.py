@@ -36,13 +36,19 @@ def test_digits_with_mixup_label_smoothing_ema_and_cosine_warmup_reaches_95_perc
     ema = EMA(half_life="10ba")
     loader = DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     trainer = kiln.Trainer(
-        model, train_dataloader=loader,
-        eval_dataloader=DataLoader(test, batch_size=256), max_duration="8ep", criterion=nn.CrossEntropyLoss(),
+        model,
+        train_dataloader=loader,
+        eval_dataloader=DataLoader(test, batch_size=256),
+        max_duration="8ep",
+        criterion=nn.CrossEntropyLoss(),
         optimizers=torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, nesterov=True),
         schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur"),
         algorithms=[MixUp(alpha=0.2), LabelSmoothing(0.1), ema],
         eval_metrics={"Accuracy": kiln.metrics.Accuracy(task="multiclass", num_classes=10)},
-        eval_interval="4ep", seed=0, progress_bar=False)
+        eval_interval="4ep",
+        seed=0,
+        progress_bar=False,
+    )
     trainer.fit()
     training_weights = {k: v.clone() for k, v in model.state_dict().items()}
     accuracy = trainer.eval()["eval/Accuracy"]
@@ -84,14 +90,29 @@ def test_trainer_resume_from_a_mid_epoch_checkpoint_is_bit_exact(tmp_path):
 
     def run(folder, load_path=None, callbacks=()):
         model = _resnet_mlp()
-        algorithms = [GradientClipping("norm", 1.0), SAM(rho=0.05), MixUp(alpha=0.4), LabelSmoothing(0.1),
-                      EMA(half_life="3ba"), StochasticDepth("Block", drop_rate=0.5)]
+        algorithms = [
+            GradientClipping("norm", 1.0),
+            SAM(rho=0.05),
+            MixUp(alpha=0.4),
+            LabelSmoothing(0.1),
+            EMA(half_life="3ba"),
+            StochasticDepth("Block", drop_rate=0.5),
+        ]
         trainer = kiln.Trainer(
-            model, train_dataloader=DataLoader(subset, batch_size=32, shuffle=True), max_duration="2ep",
-            criterion=nn.CrossEntropyLoss(), optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"), algorithms=algorithms,
-            save_folder=str(folder) if folder else None, save_interval="1ep", load_path=load_path,
-            callbacks=list(callbacks), seed=7, progress_bar=False)
+            model,
+            train_dataloader=DataLoader(subset, batch_size=32, shuffle=True),
+            max_duration="2ep",
+            criterion=nn.CrossEntropyLoss(),
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
+            algorithms=algorithms,
+            save_folder=str(folder) if folder else None,
+            save_interval="1ep",
+            load_path=load_path,
+            callbacks=list(callbacks),
+            seed=7,
+            progress_bar=False,
+        )
         trainer.fit()
         return trainer, algorithms
 

@@ -49,10 +49,10 @@ def test_ema_weights_equal_a_hand_computed_average(ema_start, first):
     loop = MiniLoop(_model(), [ema, probe], max_duration="5ba")  # probe listed last: runs before EMA at BATCH_END
     initial = _weights(loop.state)
     loop.fit(_epoch())
-    assert ema.smoothing == pytest.approx(2 ** -0.5)
+    assert ema.smoothing == pytest.approx(2**-0.5)
     history = [initial, *probe.seen]  # weights after 0..5 steps
     average = dict(history[first])
-    for weights in history[first + 1:]:
+    for weights in history[first + 1 :]:
         average = {k: ema.smoothing * average[k] + (1 - ema.smoothing) * weights[k] for k in average}
     for name, value in average.items():
         torch.testing.assert_close(ema.ema_weights[name], value)
@@ -71,7 +71,7 @@ def test_ema_evaluates_with_the_average_and_swaps_back():
 
 
 def test_ema_update_interval_and_units():
-    assert EMA(half_life="4ba", update_interval="2ba").smoothing == pytest.approx(2 ** -0.5)
+    assert EMA(half_life="4ba", update_interval="2ba").smoothing == pytest.approx(2**-0.5)
     ema = EMA(half_life="2ba", update_interval="2ba")
     assert ema.smoothing == pytest.approx(0.5)
     with pytest.raises(ValueError, match="same unit"):
@@ -104,7 +104,7 @@ def test_swa_averages_then_copies_the_average_and_anneals_the_lr():
 def _sam_reference(model, x, y, rho, lr):
     w = [p.detach().clone() for p in model.parameters()]
     g1 = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
-    norm = torch.sqrt(sum((g ** 2).sum() for g in g1))
+    norm = torch.sqrt(sum((g**2).sum() for g in g1))
     with torch.no_grad():
         for p, g in zip(model.parameters(), g1):
             p.add_(rho * g / norm)
@@ -114,7 +114,7 @@ def _sam_reference(model, x, y, rho, lr):
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_sam_takes_the_two_step_update(grad_accum):
-    (x, y), = _epoch(1)
+    ((x, y),) = _epoch(1)
     expected = _sam_reference(_model(), x, y, rho=0.5, lr=0.1)
     loop = MiniLoop(_model(), [SAM(rho=0.5)], grad_accum=grad_accum)
     loop.train_batch((x, y))
@@ -149,7 +149,7 @@ def _clip_run(algorithm, scale=50.0):
 
 def test_gradient_clipping_by_norm():
     raw, clipped, _ = _clip_run(GradientClipping("norm", 0.5))
-    norm = torch.sqrt(sum((g ** 2).sum() for g in raw))
+    norm = torch.sqrt(sum((g**2).sum() for g in raw))
     assert norm > 0.5
     for r, c in zip(raw, clipped):
         torch.testing.assert_close(c, r * 0.5 / norm, rtol=1e-5, atol=1e-6)

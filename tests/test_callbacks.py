@@ -56,8 +56,15 @@ def train_batch(callbacks, state, logger, samples=4, tokens=0, duration=0.5, los
 
 
 def test_package_surface():
-    assert set(C.__all__) >= {"SpeedMonitor", "MemoryMonitor", "LRMonitor", "EarlyStopper", "ThresholdStopper",
-                              "NaNMonitor", "CheckpointSaver"}
+    assert set(C.__all__) >= {
+        "SpeedMonitor",
+        "MemoryMonitor",
+        "LRMonitor",
+        "EarlyStopper",
+        "ThresholdStopper",
+        "NaNMonitor",
+        "CheckpointSaver",
+    }
     import kiln.checkpoint as checkpoint
 
     assert C.CheckpointSaver is checkpoint.CheckpointSaver
@@ -109,19 +116,39 @@ def test_speed_monitor_without_fit_start_and_bad_window():
     speed = C.SpeedMonitor()
     train_batch([speed], state, logger)  # opens the window only
     train_batch([speed], state, logger, samples=2, duration=0.25)
-    assert rec.metrics == [({"throughput/batches_per_sec": 4.0, "throughput/samples_per_sec": 8.0,
-                             "throughput/device/samples_per_sec": 8.0}, 2)]
+    assert rec.metrics == [
+        (
+            {
+                "throughput/batches_per_sec": 4.0,
+                "throughput/samples_per_sec": 8.0,
+                "throughput/device/samples_per_sec": 8.0,
+            },
+            2,
+        )
+    ]
     with pytest.raises(ValueError, match="window_size"):
         C.SpeedMonitor(window_size=0)
 
 
-@pytest.mark.parametrize("name, family", [
-    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", "h100-nvl"),
-    ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
-    ("NVIDIA A100 80GB PCIe", "a100"), ("NVIDIA A10G", "a10"), ("NVIDIA L40S", "l40s"), ("NVIDIA L4", "l4"),
-    ("Tesla V100-SXM2-16GB", "v100-sxm"), ("Tesla V100-PCIE-32GB", "v100-pcie"), ("Tesla T4", "t4"),
-    ("NVIDIA GeForce RTX 4090", None),
-])
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GH200 480GB", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA A100 80GB PCIe", "a100"),
+        ("NVIDIA A10G", "a10"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L4", "l4"),
+        ("Tesla V100-SXM2-16GB", "v100-sxm"),
+        ("Tesla V100-PCIE-32GB", "v100-pcie"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_device_family(name, family):
     assert device_family(name) == family
 
@@ -165,8 +192,18 @@ def test_lr_monitor_names_every_group():
     adam1, adam2 = torch.optim.Adam(b.parameters(), lr=0.01), torch.optim.Adam([b.weight], lr=0.02)
     state, logger, rec = make(optimizers=[sgd, adam1, adam2])
     train_batch([C.LRMonitor()], state, logger)
-    assert rec.metrics == [({"lr-SGD/group0": 0.1, "lr-SGD/group1": 0.5, "lr-Adam/group0": 0.01,
-                             "lr-Adam-1/group0": 0.02, "train/lr": 0.1}, 1)]
+    assert rec.metrics == [
+        (
+            {
+                "lr-SGD/group0": 0.1,
+                "lr-SGD/group1": 0.5,
+                "lr-Adam/group0": 0.01,
+                "lr-Adam-1/group0": 0.02,
+                "train/lr": 0.1,
+            },
+            1,
+        )
+    ]
 
 
 # --- EarlyStopper, ThresholdStopper --------------------------------------------------------------
@@ -188,12 +225,15 @@ def run_epochs(callbacks, values, key="eval/Accuracy", max_epochs=20):
     return state
 
 
-@pytest.mark.parametrize("values, patience, stop_epoch", [
-    ([0.5, 0.6], 1, 4),            # best at epoch 2; epochs 3 and 4 do not improve; 4 - 2 > 1
-    ([0.5, 0.6], 3, 6),
-    ([0.5, 0.6, 0.7, 0.7, 0.8, 0.8], 2, 8),
-    ([0.5, 0.6], "2ep", 5),
-])
+@pytest.mark.parametrize(
+    "values, patience, stop_epoch",
+    [
+        ([0.5, 0.6], 1, 4),  # best at epoch 2; epochs 3 and 4 do not improve; 4 - 2 > 1
+        ([0.5, 0.6], 3, 6),
+        ([0.5, 0.6, 0.7, 0.7, 0.8, 0.8], 2, 8),
+        ([0.5, 0.6], "2ep", 5),
+    ],
+)
 def test_early_stopper_stops_at_the_expected_epoch(values, patience, stop_epoch):
     state = run_epochs([C.EarlyStopper("Accuracy", patience=patience)], values)
     assert state.stopped and state.timestamp.epoch.value == stop_epoch
@@ -248,7 +288,10 @@ def test_early_stopper_nan_never_improves_but_is_replaced():
 def test_threshold_stopper():
     state = run_epochs([C.ThresholdStopper("Accuracy", "eval", threshold=0.9)], [0.5, 0.8, 0.95, 0.97])
     assert state.timestamp.epoch.value == 3 and "0.95" in state.stop_reason
-    assert run_epochs([C.ThresholdStopper("loss", "eval", 0.2)], [0.5, 0.3, 0.1], key="eval/loss").timestamp.epoch.value == 3
+    assert (
+        run_epochs([C.ThresholdStopper("loss", "eval", 0.2)], [0.5, 0.3, 0.1], key="eval/loss").timestamp.epoch.value
+        == 3
+    )
     # Strict by default: reaching 1.0 is not passing it; comp="ge" stops there.
     assert not run_epochs([C.ThresholdStopper("Accuracy", "eval", 1.0)], [0.5, 1.0], max_epochs=4).stopped
     assert run_epochs([C.ThresholdStopper("Accuracy", "eval", 1.0, comp="ge")], [0.5, 1.0]).timestamp.epoch.value == 2
@@ -355,6 +398,7 @@ def test_nan_monitor_can_stop_instead_of_raising():
 
 # --- end to end through kiln.Trainer -----------------------------------------------------------
 
+
 def digits_like(n=64, seed=0):
     """A small linearly separable 4-class problem standing in for digits (64 samples, 16 features)."""
     g = torch.Generator().manual_seed(seed)
@@ -370,10 +414,19 @@ def fit(callbacks, max_duration="6ep", dataset=None, batch_size=64, loggers=(), 
     model = nn.Linear(16, 4)
     dataset = dataset or digits_like()
     loader = lambda: torch.utils.data.DataLoader(dataset, batch_size=batch_size)  # noqa: E731
-    trainer = kiln.Trainer(model, train_dataloader=loader(), eval_dataloader=loader(), max_duration=max_duration,
-                           optimizers=torch.optim.SGD(model.parameters(), lr=lr), criterion=nn.CrossEntropyLoss(),
-                           eval_metrics={"Accuracy": metrics.Accuracy()}, progress_bar=False, callbacks=callbacks,
-                           loggers=list(loggers), **kwargs)
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=loader(),
+        eval_dataloader=loader(),
+        max_duration=max_duration,
+        optimizers=torch.optim.SGD(model.parameters(), lr=lr),
+        criterion=nn.CrossEntropyLoss(),
+        eval_metrics={"Accuracy": metrics.Accuracy()},
+        progress_bar=False,
+        callbacks=callbacks,
+        loggers=list(loggers),
+        **kwargs,
+    )
     trainer.fit()
     return trainer
 
@@ -402,13 +455,22 @@ def test_trainer_nan_monitor_names_the_batch():
 
 def test_trainer_threshold_stopper_and_monitors_log():
     rec = Recorder()
-    trainer = fit([C.ThresholdStopper("Accuracy", "eval", 0.5), C.SpeedMonitor(window_size=2), C.LRMonitor(),
-                   C.MemoryMonitor()], max_duration="30ep", loggers=[rec])
+    trainer = fit(
+        [C.ThresholdStopper("Accuracy", "eval", 0.5), C.SpeedMonitor(window_size=2), C.LRMonitor(), C.MemoryMonitor()],
+        max_duration="30ep",
+        loggers=[rec],
+    )
     accuracy = trainer.state.metrics["eval/Accuracy"]
     assert trainer.state.stopped and accuracy > 0.5 and trainer.state.timestamp.epoch.value < 30
     keys = {key for metrics, _ in rec.metrics for key in metrics}
-    assert {"throughput/batches_per_sec", "throughput/samples_per_sec", "lr-SGD/group0", "train/lr",
-            "memory/current_rss_mem", "eval/Accuracy"} <= keys
+    assert {
+        "throughput/batches_per_sec",
+        "throughput/samples_per_sec",
+        "lr-SGD/group0",
+        "train/lr",
+        "memory/current_rss_mem",
+        "eval/Accuracy",
+    } <= keys
     assert rec.last("throughput/samples_per_sec") == pytest.approx(64 * rec.last("throughput/batches_per_sec"))
 
 

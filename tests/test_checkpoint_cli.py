@@ -58,13 +58,21 @@ def test_merge_then_export_safetensors(run_folder, capsys, tmp_path_factory):
     assert main(["checkpoint", "merge", str(folder / "last"), str(out / "merged")]) == 1  # never overwrites
     assert "already exists" in capsys.readouterr().err
     for source in (folder / "last", out / "merged"):
-        assert main(["checkpoint", "export", str(source), "--safetensors", str(out / "w.safetensors"), "--dtype", "bf16"]) == 0
+        assert (
+            main(["checkpoint", "export", str(source), "--safetensors", str(out / "w.safetensors"), "--dtype", "bf16"])
+            == 0
+        )
         weights = load_file(out / "w.safetensors")
         assert set(weights) == set(state.model.state_dict()) and weights["0.weight"].dtype == torch.bfloat16
         assert torch.equal(weights["0.weight"], state.model[0].weight.detach().to(torch.bfloat16))
 
 
 def test_the_kiln_command_exits_1_on_a_missing_checkpoint(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "kiln.cli.main", "checkpoint", "verify", str(tmp_path / "none")],
-                            env=base_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "checkpoint", "verify", str(tmp_path / "none")],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "does not exist" in result.stderr and "Traceback" not in result.stderr

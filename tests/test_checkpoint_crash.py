@@ -52,8 +52,14 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")
         env = {**base_env(), "PYTHONPATH": f"{WORKERS.parent}{os.pathsep}{base_env()['PYTHONPATH']}"}
-        self.proc = subprocess.Popen([sys.executable, str(WORKERS / "ckpt_crash.py")], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKERS / "ckpt_crash.py")],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.buffer = b""
         self.expect("ready", timeout=120)
 
@@ -121,7 +127,9 @@ def _folder_state(folder, where):
         if layout.is_temporary(entry.name):
             debris.add(entry.name)
             continue
-        assert entry.is_dir() and (entry / layout.MANIFEST).is_file(), f"{where}: {entry.name} is neither a checkpoint nor debris"
+        assert entry.is_dir() and (entry / layout.MANIFEST).is_file(), (
+            f"{where}: {entry.name} is neither a checkpoint nor debris"
+        )
         complete.append((entry.name, json.loads((entry / layout.MANIFEST).read_text())))
     complete.sort(key=lambda item: item[1]["created_unix"])
     return complete, debris
@@ -159,7 +167,9 @@ def test_sigkill_at_random_moments_while_saving(tmp_path, server, mode):
 
         complete, debris = _folder_state(folder, where)
         names = [name for name, _ in complete]
-        assert not previous_debris & debris, f"{where}: the last kill's debris was not cleaned up: {previous_debris & debris}"
+        assert not previous_debris & debris, (
+            f"{where}: the last kill's debris was not cleaned up: {previous_debris & debris}"
+        )
         assert 1 <= len(complete) <= KEEP + 1, f"{where}: {len(complete)} checkpoints with keep={KEEP}: {names}"
         if saves >= KEEP + 1:
             stale = [name for name, manifest in complete if manifest["created_unix"] < began]
@@ -174,5 +184,7 @@ def test_sigkill_at_random_moments_while_saving(tmp_path, server, mode):
         num_beyond_keep += len(complete) > KEEP
         debris_seen.update(_debris_kind(name) for name in debris)
         previous_debris = debris
-    print(f"{num_saves} save calls; {num_beyond_keep} kills between a commit and its retention; "
-          f"debris found: {dict(debris_seen)}")
+    print(
+        f"{num_saves} save calls; {num_beyond_keep} kills between a commit and its retention; "
+        f"debris found: {dict(debris_seen)}"
+    )

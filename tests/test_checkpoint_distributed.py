@@ -28,7 +28,9 @@ def _assert_loaded(expected, state):
     for section in ("model", "optimizer"):
         assert expected[section].keys() == got[section].keys()
         for key, value in expected[section].items():
-            same = torch.equal(value, got[section][key]) if isinstance(value, torch.Tensor) else value == got[section][key]
+            same = (
+                torch.equal(value, got[section][key]) if isinstance(value, torch.Tensor) else value == got[section][key]
+            )
             assert same, f"{section}.{key}"
 
 

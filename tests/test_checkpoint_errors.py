@@ -14,8 +14,9 @@ from workers.ckpt_common import build_state, train
 from workers.ckpt_tamper import Evil, rehash  # rehash: an attacker rewrites the manifest too
 
 
-@pytest.mark.parametrize("save_type, victim", [("sharded", "rank0.pt"), ("sharded", ".metadata"),
-                                               ("merged", "checkpoint.pt")])
+@pytest.mark.parametrize(
+    "save_type, victim", [("sharded", "rank0.pt"), ("sharded", ".metadata"), ("merged", "checkpoint.pt")]
+)
 def test_malicious_pickle_is_refused_and_never_runs(tmp_path, save_type, victim):
     state = build_state()
     train(state, 2)

@@ -64,7 +64,10 @@ def _mutations(rng: random.Random, size: int, num_flips: int = NUM_FLIPS, num_cu
     """(description, function from the file's bytes to the mutated bytes)."""
     for _ in range(num_flips):
         at, xor = _position(rng, size), rng.randrange(1, 256)
-        yield f"flip byte {at} of {size} ^ {xor:#04x}", lambda b, at=at, xor=xor: b[:at] + bytes([b[at] ^ xor]) + b[at + 1:]
+        yield (
+            f"flip byte {at} of {size} ^ {xor:#04x}",
+            lambda b, at=at, xor=xor: b[:at] + bytes([b[at] ^ xor]) + b[at + 1 :],
+        )
     for _ in range(num_cuts):
         at = _position(rng, size)
         yield f"truncate to {at} of {size} bytes", lambda b, at=at: b[:at]
@@ -87,7 +90,10 @@ def pristine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pristine")
     state = build_state()
     train(state, 3)
-    return {save_type: save_checkpoint(folder / save_type, state, save_type) for save_type in ("sharded", "deduped", "merged")}
+    return {
+        save_type: save_checkpoint(folder / save_type, state, save_type)
+        for save_type in ("sharded", "deduped", "merged")
+    }
 
 
 @pytest.mark.timeout(120)
@@ -110,8 +116,9 @@ def test_mutated_files_give_one_checkpoint_error_naming_the_file(pristine, tmp_p
             must_raise = mode == "checksums kept" or what.startswith("truncate")
             for error, action in ((loaded, "load_checkpoint"), (verified, "verify_checkpoint")):
                 if error is None:
-                    assert not must_raise or (action == "verify_checkpoint" and mode != "checksums kept"), \
+                    assert not must_raise or (action == "verify_checkpoint" and mode != "checksums kept"), (
                         f"{where}: {action} accepted it"
+                    )
                 else:  # a damaged .metadata can make a .distcp entry unreadable: that error names both
                     assert name in str(error), f"{where}: {action} blamed another file: {error}"
             outcomes[f"{name} {what.split()[0]} {'raised' if loaded else 'loaded'}"] += 1
@@ -133,14 +140,17 @@ def test_mutated_manifests_give_one_checkpoint_error_naming_it(pristine, tmp_pat
             where = f"KILN_FUZZ_SEED={seed}, {save_type}/manifest.json: {what}"
             mutated = mutate(original)
             (path / layout.MANIFEST).write_bytes(mutated)
-            for action, fn in (("load_checkpoint", lambda p=path: load_checkpoint(p, build_state(seed=1))),
-                               ("verify_checkpoint", lambda p=path: verify_checkpoint(p))):
+            for action, fn in (
+                ("load_checkpoint", lambda p=path: load_checkpoint(p, build_state(seed=1))),
+                ("verify_checkpoint", lambda p=path: verify_checkpoint(p)),
+            ):
                 error = _attempt(fn)
                 if error is None:
                     same = json.loads(mutated)  # it loaded, so it parses: it must say what the original says
                     same = {k: v for k, v in same.items() if k in content}
-                    assert same == {k: v for k, v in content.items() if k in same or k != layout.MANIFEST_CHECKSUM}, \
+                    assert same == {k: v for k, v in content.items() if k in same or k != layout.MANIFEST_CHECKSUM}, (
                         f"{where}: {action} accepted a manifest whose content changed"
+                    )
                 else:
                     assert error.path.endswith(layout.MANIFEST), f"{where}: {action} blamed another file: {error}"
             outcomes[f"{what.split()[0]} {'raised' if error else 'loaded'}"] += 1

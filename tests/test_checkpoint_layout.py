@@ -34,9 +34,14 @@ def test_folder_manifest_and_link(saved, tmp_path):
     assert verify_checkpoint(tmp_path / "last")["name"] == "ep0-ba3"
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("flip", "is corrupt"), ("truncate", "truncated"), ("delete", "is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("flip", "is corrupt"),
+        ("truncate", "truncated"),
+        ("delete", "is missing"),
+    ],
+)
 def test_verify_names_the_damaged_file(saved, damage, words):
     path, _ = saved
     victim = path / "__0_0.distcp"
@@ -95,6 +100,7 @@ def test_retention_never_deletes_last_or_best(tmp_path):
 def test_retention_after_a_restart_keeps_the_new_runs_checkpoints(tmp_path):
     """A run started again from scratch (or from an earlier checkpoint) in an old run's folder saves
     checkpoints of less progress than the old run's; they are the newer ones, and retention keeps them."""
+
     def save(state):
         train(state, 1)
         save_checkpoint(tmp_path, state)

@@ -73,8 +73,9 @@ def test_code_in_a_distcp_byte_entry_is_refused(tmp_path, save_type, form):
     control = tmp_path / "control"
     replace_dcp_bytes_entry(path, KEY, evil_pickles(control)[form])
     try:
-        _load_state_dict({}, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={KEY}),
-                         no_dist=True)
+        _load_state_dict(
+            {}, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={KEY}), no_dist=True
+        )
     except BaseException:  # the payload has run by then; what torch makes of its result does not matter
         pass
     assert control.exists(), "the crafted entry is not what DCP reads; this test would prove nothing"
@@ -94,15 +95,24 @@ def _malicious(tmp_path, save_type, victim):
     return path, victim, sentinel
 
 
-CASES = [("deduped", "distcp"), ("deduped", ".metadata"), ("deduped", "rank0.pt"), ("sharded", "distcp"),
-         ("merged", "checkpoint.pt")]
+CASES = [
+    ("deduped", "distcp"),
+    ("deduped", ".metadata"),
+    ("deduped", "rank0.pt"),
+    ("sharded", "distcp"),
+    ("merged", "checkpoint.pt"),
+]
 
 
 @pytest.mark.parametrize("save_type, victim", CASES, ids=[f"{s}-{v}" for s, v in CASES])
 def test_cli_refuses_code_with_one_line(tmp_path, capsys, save_type, victim):
     path, victim, sentinel = _malicious(tmp_path, save_type, victim)
-    for command in (["inspect", str(path)], ["merge", str(path), str(tmp_path / "m.pt")],
-                    ["merge", str(path), str(tmp_path / "m")], ["export", str(path), "--safetensors", str(tmp_path / "w")]):
+    for command in (
+        ["inspect", str(path)],
+        ["merge", str(path), str(tmp_path / "m.pt")],
+        ["merge", str(path), str(tmp_path / "m")],
+        ["export", str(path), "--safetensors", str(tmp_path / "w")],
+    ):
         assert main(["checkpoint", *command]) == 1, command
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and victim in err and "run code" in err, (command, err)
@@ -114,10 +124,18 @@ def test_cli_refuses_code_with_one_line(tmp_path, capsys, save_type, victim):
 def test_the_kiln_command_refuses_code_in_a_distcp_entry(tmp_path, command):
     """`python -m kiln.cli.main checkpoint ...` as a user runs it: exit 1, one line, no traceback."""
     path, victim, sentinel = _malicious(tmp_path, "deduped", "distcp")
-    args = {"inspect": [str(path)], "merge": [str(path), str(tmp_path / "m.pt")],
-            "export": [str(path), "--safetensors", str(tmp_path / "w.safetensors")]}[command]
-    result = subprocess.run([sys.executable, "-m", "kiln.cli.main", "checkpoint", command, *args], env=base_env(),
-                            capture_output=True, text=True, timeout=120)
+    args = {
+        "inspect": [str(path)],
+        "merge": [str(path), str(tmp_path / "m.pt")],
+        "export": [str(path), "--safetensors", str(tmp_path / "w.safetensors")],
+    }[command]
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "checkpoint", command, *args],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 1, result.stderr[-3000:]
     assert len(err) == 1 and victim in err[0] and KEY in err[0] and "run code" in err[0], result.stderr[-3000:]

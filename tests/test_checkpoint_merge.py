@@ -116,8 +116,13 @@ def test_cli_merge_to_a_file(saved, tmp_path, capsys):
 def test_the_kiln_command_merges_to_a_file(saved, tmp_path):
     path, before = saved
     dst = tmp_path / "merged.pt"
-    result = subprocess.run([sys.executable, "-m", "kiln.cli.main", "checkpoint", "merge", str(path), str(dst)],
-                            env=base_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "checkpoint", "merge", str(path), str(dst)],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert torch.equal(torch.load(dst, weights_only=True)["model"]["0.bias"], before["model"]["0.bias"])
     assert not any(layout.is_temporary(p.name) for p in tmp_path.iterdir())
@@ -131,8 +136,15 @@ def test_trainer_loads_a_merged_file(tmp_path):
 
     def trainer(**kwargs):
         model = nn.Linear(4, 2)
-        return kiln.Trainer(model, train_dataloader=loader, max_duration="2ep", criterion=nn.CrossEntropyLoss(),
-                            optimizers=torch.optim.Adam(model.parameters(), lr=0.1), progress_bar=False, **kwargs)
+        return kiln.Trainer(
+            model,
+            train_dataloader=loader,
+            max_duration="2ep",
+            criterion=nn.CrossEntropyLoss(),
+            optimizers=torch.optim.Adam(model.parameters(), lr=0.1),
+            progress_bar=False,
+            **kwargs,
+        )
 
     first = trainer(save_folder=tmp_path / "run")
     first.fit()

@@ -32,8 +32,9 @@ def _in_process(out, *args):
 
 
 def _subprocess(out, *args):
-    return subprocess.run([sys.executable, str(LOOP), str(out), *args], env=base_env(), capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(LOOP), str(out), *args], env=base_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 def _assert_same_final(a, b, ranks=(0,)):
@@ -41,7 +42,9 @@ def _assert_same_final(a, b, ranks=(0,)):
         x, y = (torch.load(f"{d}/final_rank{rank}.pt", weights_only=True) for d in (a, b))
         for section in ("model", "optimizer"):
             for key, value in x[section].items():
-                same = torch.equal(value, y[section][key]) if isinstance(value, torch.Tensor) else value == y[section][key]
+                same = (
+                    torch.equal(value, y[section][key]) if isinstance(value, torch.Tensor) else value == y[section][key]
+                )
                 assert same, f"rank {rank}: {section}.{key} differs after the resume"
         assert (x["calls"], x["lr"], x["batch"]) == (y["calls"], y["lr"], y["batch"])
         assert torch.equal(x["rng"], y["rng"])
@@ -54,8 +57,11 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("interval, die_after, resumes_from", [("2ba", 5, "ep0-ba4"), ("1ep", 13, "ep1-ba12")],
-                         ids=["mid-epoch", "epoch-boundary"])
+@pytest.mark.parametrize(
+    "interval, die_after, resumes_from",
+    [("2ba", 5, "ep0-ba4"), ("1ep", 13, "ep1-ba12")],
+    ids=["mid-epoch", "epoch-boundary"],
+)
 def test_hard_exit_then_resume_is_bit_exact(tmp_path, uninterrupted, interval, die_after, resumes_from):
     crashed = _subprocess(tmp_path, "--interval", interval, "--die-after", str(die_after))
     assert crashed.returncode == 17, crashed.stderr[-3000:]
@@ -85,8 +91,12 @@ def test_ddp_hard_exit_and_sigterm_on_one_rank_resume_exactly(tmp_path):
     # SIGTERM reaches rank 1 only: both ranks agree, checkpoint the same batch and exit 75.
     port = free_port()
     env = lambda r: {"RANK": r, "WORLD_SIZE": 2, "LOCAL_RANK": r, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    results = run_ranks(LOOP, env, args=(str(tmp_path / "term"), "--strategy", "ddp", "--sigterm-after", "4",
-                                         "--sigterm-rank", "1"), timeout=300)
+    results = run_ranks(
+        LOOP,
+        env,
+        args=(str(tmp_path / "term"), "--strategy", "ddp", "--sigterm-after", "4", "--sigterm-rank", "1"),
+        timeout=300,
+    )
     assert [r.returncode for r in results] == [PREEMPTED_EXIT_CODE] * 2, results[1].stderr[-3000:]
     assert (tmp_path / "term/ckpt/last").resolve().name == "ep0-ba5"
     check(kiln_run(LOOP, str(tmp_path / "term"), "--strategy", "ddp", "--resume"))

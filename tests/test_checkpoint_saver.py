@@ -21,14 +21,18 @@ def _run(tmp_path, num_batches=10, max_duration=None, metrics=None, **saver_args
     return sorted(p.name for p in tmp_path.iterdir()), saver, state
 
 
-@pytest.mark.parametrize("args, expected", [
-    ({"interval": "3ba"}, ["ep0-ba3", "ep0-ba6", "ep1-ba9", "ep1-ba10"]),
-    ({"interval": 1}, ["ep1-ba6", "ep1-ba10"]),
-    ({"interval": "36sp"}, ["ep0-ba5", "ep1-ba9", "ep1-ba10"]),  # 8 samples a batch: 40 and 72 cross 36, 72
-    ({"interval": "0.5dur", "max_duration": kiln.Time(10, "ba")}, ["ep0-ba5", "ep1-ba10"]),
-    ({"interval": lambda state, event: state.timestamp.batch.value == 2}, ["ep0-ba2", "ep1-ba10"]),
-    ({"every_n_train_steps": 4, "every_n_epochs": 1}, ["ep0-ba4", "ep1-ba6", "ep1-ba8", "ep1-ba10"]),
-], ids=["batches", "epochs", "samples", "fraction", "callable", "nnscaler-form"])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ({"interval": "3ba"}, ["ep0-ba3", "ep0-ba6", "ep1-ba9", "ep1-ba10"]),
+        ({"interval": 1}, ["ep1-ba6", "ep1-ba10"]),
+        ({"interval": "36sp"}, ["ep0-ba5", "ep1-ba9", "ep1-ba10"]),  # 8 samples a batch: 40 and 72 cross 36, 72
+        ({"interval": "0.5dur", "max_duration": kiln.Time(10, "ba")}, ["ep0-ba5", "ep1-ba10"]),
+        ({"interval": lambda state, event: state.timestamp.batch.value == 2}, ["ep0-ba2", "ep1-ba10"]),
+        ({"every_n_train_steps": 4, "every_n_epochs": 1}, ["ep0-ba4", "ep1-ba6", "ep1-ba8", "ep1-ba10"]),
+    ],
+    ids=["batches", "epochs", "samples", "fraction", "callable", "nnscaler-form"],
+)
 def test_intervals_and_the_final_checkpoint(tmp_path, args, expected):
     max_duration = args.pop("max_duration", None)
     names, _, _ = _run(tmp_path, max_duration=max_duration, **args)
@@ -70,16 +74,19 @@ def test_async_saves_commit_and_keep_order(tmp_path):
     verify_checkpoint(tmp_path / "last")
 
 
-@pytest.mark.parametrize("args, words", [
-    ({"interval": "often"}, "not a save interval"),
-    ({"interval": "0ba"}, "must be positive"),
-    ({"save_type": "zip"}, "save_type='zip' is not known"),
-    ({"save_type": "merged", "save_async": True}, "save_async=True needs"),
-    ({"num_checkpoints_to_keep": 0}, "-1 \\(keep all\\) or an int >= 1"),
-    ({"every_n_train_steps": 0}, "every_n_train_steps=0 must be a positive int"),
-    ({"save_best": ("eval/loss", "lowest")}, "'min' \\| 'max'"),
-    ({"preemption_signals": ("SIGNOPE",)}, "SIGNOPE"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ({"interval": "often"}, "not a save interval"),
+        ({"interval": "0ba"}, "must be positive"),
+        ({"save_type": "zip"}, "save_type='zip' is not known"),
+        ({"save_type": "merged", "save_async": True}, "save_async=True needs"),
+        ({"num_checkpoints_to_keep": 0}, "-1 \\(keep all\\) or an int >= 1"),
+        ({"every_n_train_steps": 0}, "every_n_train_steps=0 must be a positive int"),
+        ({"save_best": ("eval/loss", "lowest")}, "'min' \\| 'max'"),
+        ({"preemption_signals": ("SIGNOPE",)}, "SIGNOPE"),
+    ],
+)
 def test_bad_arguments_say_what_to_do(tmp_path, args, words):
     with pytest.raises(ValueError, match=words):
         CheckpointSaver(tmp_path, **args)

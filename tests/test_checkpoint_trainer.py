@@ -45,11 +45,19 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("interval, die_after, resumes_from", [("4ba", 17, "ep1-ba16"), ("1ep", 13, "ep1-ba12")],
-                         ids=["mid-epoch", "epoch-boundary"])
+@pytest.mark.parametrize(
+    "interval, die_after, resumes_from",
+    [("4ba", 17, "ep1-ba16"), ("1ep", 13, "ep1-ba12")],
+    ids=["mid-epoch", "epoch-boundary"],
+)
 def test_trainer_killed_and_autoresumed_is_bit_exact(tmp_path, uninterrupted, interval, die_after, resumes_from):
-    crashed = subprocess.run([sys.executable, str(RUN), str(tmp_path), "--interval", interval,
-                              "--die-after", str(die_after)], env=base_env(), capture_output=True, text=True, timeout=300)
+    crashed = subprocess.run(
+        [sys.executable, str(RUN), str(tmp_path), "--interval", interval, "--die-after", str(die_after)],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     assert (tmp_path / "ckpt/last").resolve().name == resumes_from
     _in_process(tmp_path, "--interval", interval, "--autoresume")
@@ -70,9 +78,17 @@ def test_save_best_load_best_and_manual_save(tmp_path):
 
     def trainer(**kwargs):
         model = nn.Linear(4, 2)
-        return kiln.Trainer(model, train_dataloader=loader, eval_dataloader=loader, max_duration="3ep",
-                            optimizers=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
-                            save_folder=tmp_path, progress_bar=False, **kwargs)
+        return kiln.Trainer(
+            model,
+            train_dataloader=loader,
+            eval_dataloader=loader,
+            max_duration="3ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.5),
+            criterion=nn.CrossEntropyLoss(),
+            save_folder=tmp_path,
+            progress_bar=False,
+            **kwargs,
+        )
 
     first = trainer(save_best="eval/loss", save_num_checkpoints_to_keep=1)
     first.fit()

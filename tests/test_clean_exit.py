@@ -31,8 +31,9 @@ def test_finished_jobs_exit_zero_every_time(launcher):
             result = _torchrun()
         else:
             result = kiln_run(WORKER, *(["destroy"] if "destroys" in launcher else []))
-        assert result.returncode == 0, (f"{launcher} attempt {attempt}: exit {result.returncode} after a finished job"
-                                        f"\n{result.stderr[-3000:]}")
+        assert result.returncode == 0, (
+            f"{launcher} attempt {attempt}: exit {result.returncode} after a finished job\n{result.stderr[-3000:]}"
+        )
         assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout, result.stdout
 
 

@@ -15,14 +15,41 @@ def _args(*argv):
 
 def test_single_node_uses_standalone_rendezvous():
     assert torchrun_args(_args("-n", "2", "train.py", "--lr", "0.1")) == [
-        "--nproc-per-node=2", "--nnodes=1", "--max-restarts=0", "--standalone", "train.py", "--lr", "0.1"]
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--max-restarts=0",
+        "--standalone",
+        "train.py",
+        "--lr",
+        "0.1",
+    ]
 
 
 def test_multi_node_options_pass_through():
-    argv = torchrun_args(_args("-n", "4", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "host:29400",
-                               "--max-restarts", "3", "train.py"))
-    assert argv == ["--nproc-per-node=4", "--nnodes=2", "--max-restarts=3", "--rdzv-endpoint=host:29400",
-                    "--rdzv-backend=c10d", "--node-rank=1", "train.py"]
+    argv = torchrun_args(
+        _args(
+            "-n",
+            "4",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "host:29400",
+            "--max-restarts",
+            "3",
+            "train.py",
+        )
+    )
+    assert argv == [
+        "--nproc-per-node=4",
+        "--nnodes=2",
+        "--max-restarts=3",
+        "--rdzv-endpoint=host:29400",
+        "--rdzv-backend=c10d",
+        "--node-rank=1",
+        "train.py",
+    ]
 
 
 def _kiln(*argv):
@@ -32,8 +59,9 @@ def _kiln(*argv):
 def test_missing_script_exits_2_with_one_line(tmp_path):
     result = _kiln("run", "-n", "2", str(tmp_path / "nope.py"))
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [f"kiln run: script '{tmp_path / 'nope.py'}' does not exist "
-                                                  "(pass a Python file, or -m for a module)"]
+    assert result.stderr.strip().splitlines() == [
+        f"kiln run: script '{tmp_path / 'nope.py'}' does not exist (pass a Python file, or -m for a module)"
+    ]
 
 
 def test_bad_process_count_exits_2(tmp_path):

@@ -43,8 +43,14 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _kiln(*argv: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli.main", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**base_env(), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base_env(), **(env or {})},
+    )
 
 
 # -- help and --print-config --------------------------------------------------------------------
@@ -58,11 +64,21 @@ def test_help_lists_every_field_with_type_default_and_doc(capsys):
         main(["train", "--help"])
     text = capsys.readouterr().out
     assert fields_help().splitlines()[1] in text
-    prefixes = {"TrainerArgs": "", "ComputeConfig": "compute_config.", "ModelConfig": "model.",
-                "CriterionConfig": "criterion.", "OptimizerConfig": "optimizer.", "DatasetConfig": "dataset.",
-                "DataloaderConfig": "dataloader.", "DatasetSamplerConfig": "dataset_sampler.",
-                "LRSchedulerConfig": "lr_scheduler.", "CheckpointConfig": "checkpoint.", "LogConfig": "log.N.",
-                "HookConfig": "hook.", "HookMapConfig": "hook."}
+    prefixes = {
+        "TrainerArgs": "",
+        "ComputeConfig": "compute_config.",
+        "ModelConfig": "model.",
+        "CriterionConfig": "criterion.",
+        "OptimizerConfig": "optimizer.",
+        "DatasetConfig": "dataset.",
+        "DataloaderConfig": "dataloader.",
+        "DatasetSamplerConfig": "dataset_sampler.",
+        "LRSchedulerConfig": "lr_scheduler.",
+        "CheckpointConfig": "checkpoint.",
+        "LogConfig": "log.N.",
+        "HookConfig": "hook.",
+        "HookMapConfig": "hook.",
+    }
     assert set(prefixes) - {"TrainerArgs", "ComputeConfig"} == {n for n in COMPONENTS if n.endswith("Config")}
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  --")}
     for name, prefix in prefixes.items():
@@ -74,8 +90,23 @@ def test_help_lists_every_field_with_type_default_and_doc(capsys):
 
 
 def test_print_config_round_trip(workdir, capsys):
-    assert main(["train", "-f", "run.yaml", "--print-config", "--optimizer.args.lr", "0.5",
-                 "--log.0.type", "console", "--dataset.train_args.size", "$(micro_batch_size)"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "-f",
+                "run.yaml",
+                "--print-config",
+                "--optimizer.args.lr",
+                "0.5",
+                "--log.0.type",
+                "console",
+                "--dataset.train_args.size",
+                "$(micro_batch_size)",
+            ]
+        )
+        == 0
+    )
     first = capsys.readouterr().out
     (workdir / "printed.yaml").write_text(first)
     assert main(["train", "-f", "printed.yaml", "--print-config"]) == 0
@@ -101,8 +132,11 @@ BAD = [
     ({}, ["--checkpoint.save_type", "shard"], "checkpoint.save_type: got 'shard' (str), expected one of"),
     ({}, ["--precision", "bf17"], "precision: got 'bf17' (str), expected one of"),
     ({}, ["--precision.param", "int8"], "precision.param: got 'int8' (str)"),
-    ({"lr_scheduler": {"type": "torch.optim.lr_scheduler.StepLR", "args": {"step_size": 1}}},
-     ["--lr_scheduler.interval", "iteration"], "lr_scheduler.interval: got 'iteration' (str), expected one of"),
+    (
+        {"lr_scheduler": {"type": "torch.optim.lr_scheduler.StepLR", "args": {"step_size": 1}}},
+        ["--lr_scheduler.interval", "iteration"],
+        "lr_scheduler.interval: got 'iteration' (str), expected one of",
+    ),
     ({}, ["--optimizer.grad_reduction", "avg"], "optimizer.grad_reduction: got 'avg' (str)"),
     ({}, ["--optimizer.loss_reduction", "max"], "optimizer.loss_reduction: got 'max' (str)"),
     ({}, ["--optimizer.grad_reduction", "per-token-mean"], "optimizer.aggregate_outputs_fn: is not set"),
@@ -123,8 +157,9 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("patch, overrides, message", BAD, ids=[m.split(":")[0] + f"-{i}" for i, (_, _, m) in
-                                                                  enumerate(BAD)])
+@pytest.mark.parametrize(
+    "patch, overrides, message", BAD, ids=[m.split(":")[0] + f"-{i}" for i, (_, _, m) in enumerate(BAD)]
+)
 def test_bad_config_exits_2_with_one_line(workdir, capsys, patch, overrides, message):
     if patch:
         cfg = {**yaml.safe_load(BASE), **patch}
@@ -148,11 +183,12 @@ def test_yaml_syntax_error_names_the_line(workdir, capsys):
 
 def test_errors_as_a_process_before_torchrun_starts(tmp_path):
     (tmp_path / "run.yaml").write_text(BASE.replace("./ck", str(tmp_path / "ck")))
-    bad = _kiln("train", "-f", str(tmp_path / "run.yaml"), "--nproc-per-node", "2", "--max_epoch", "1",
-                timeout=60)
+    bad = _kiln("train", "-f", str(tmp_path / "run.yaml"), "--nproc-per-node", "2", "--max_epoch", "1", timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["kiln train: error: max_epoch: unknown key 'max_epoch' "
-                                               "(did you mean 'max_epochs'?); TrainerArgs has no such field"]
+    assert bad.stderr.strip().splitlines() == [
+        "kiln train: error: max_epoch: unknown key 'max_epoch' "
+        "(did you mean 'max_epochs'?); TrainerArgs has no such field"
+    ]
     debug = _kiln("train", "-f", str(tmp_path / "run.yaml"), "--max_epoch", "1", env={"KILN_DEBUG": "1"}, timeout=60)
     assert debug.returncode == 2 and "Traceback" in debug.stderr and debug.stderr.strip().endswith("such field")
     assert [p.name for p in tmp_path.iterdir()] == ["run.yaml"]
@@ -167,8 +203,21 @@ def _losses(log: Path) -> dict[int, float]:
 @pytest.mark.world_size(2)
 def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
     folder = tmp_path / "ck"
-    common = ["train", "-f", "examples/mlp.yaml", "--nproc-per-node", "2", "--checkpoint.save_dir", str(folder),
-              "--checkpoint.keep_last_n_checkpoints", "3", "--enable_progress_bar", "false", "--log.0.type", "file"]
+    common = [
+        "train",
+        "-f",
+        "examples/mlp.yaml",
+        "--nproc-per-node",
+        "2",
+        "--checkpoint.save_dir",
+        str(folder),
+        "--checkpoint.keep_last_n_checkpoints",
+        "3",
+        "--enable_progress_bar",
+        "false",
+        "--log.0.type",
+        "file",
+    ]
     check(_kiln(*common, "--max_train_steps", "5", "--log.0.args.path", str(tmp_path / "full.jsonl")))
     full = _losses(tmp_path / "full.jsonl")
     assert sorted(full) == [1, 2, 3, 4, 5] and os.readlink(folder / "last") == "ep0-ba5"
@@ -181,8 +230,17 @@ def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
     for link in ("last", "best"):
         os.remove(folder / link)
     os.symlink("ep0-ba3", folder / "last")
-    check(_kiln(*common, "--checkpoint.resume_from", "last", "--max_train_steps", "5",
-                "--log.0.args.path", str(tmp_path / "resumed.jsonl")))
+    check(
+        _kiln(
+            *common,
+            "--checkpoint.resume_from",
+            "last",
+            "--max_train_steps",
+            "5",
+            "--log.0.args.path",
+            str(tmp_path / "resumed.jsonl"),
+        )
+    )
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert resumed == {4: full[4], 5: full[5]}  # exactly two more steps, bit-exact
     assert os.readlink(folder / "last") == "ep0-ba5" and not (folder / "ep0-ba6").exists()
@@ -193,18 +251,28 @@ def test_per_token_mean_over_two_ranks_matches_hand_computation(tmp_path):
     import cli_models
 
     config = {
-        "model": {"type": "cli_models.TokenModel"}, "optimizer": {
-            "type": "torch.optim.SGD", "args": {"lr": 0.1}, "grad_reduction": "per-token-mean",
-            "aggregate_outputs_fn": "cli_models.count_tokens"},
+        "model": {"type": "cli_models.TokenModel"},
+        "optimizer": {
+            "type": "torch.optim.SGD",
+            "args": {"lr": 0.1},
+            "grad_reduction": "per-token-mean",
+            "aggregate_outputs_fn": "cli_models.count_tokens",
+        },
         "dataset": {"type": "cli_models.TokenDataset", "train_args": {"size": 8}},
-        "dataset_sampler": {"train_args": {"shuffle": False}}, "checkpoint": {"no_save": True},
+        "dataset_sampler": {"train_args": {"shuffle": False}},
+        "checkpoint": {"no_save": True},
         "hook": {"before_optimizer_step": "cli_models.record_grads"},
-        "micro_batch_size": 1, "global_batch_size": 4, "max_train_steps": 1, "seed": 0, "enable_progress_bar": False,
+        "micro_batch_size": 1,
+        "global_batch_size": 4,
+        "max_train_steps": 1,
+        "seed": 0,
+        "enable_progress_bar": False,
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     record = tmp_path / "record.pt"
-    check(_kiln("train", "-f", str(tmp_path / "run.yaml"), "--nproc-per-node", "2",
-                env={"KILN_TEST_RECORD": str(record)}))
+    check(
+        _kiln("train", "-f", str(tmp_path / "run.yaml"), "--nproc-per-node", "2", env={"KILN_TEST_RECORD": str(record)})
+    )
     saved = torch.load(record, weights_only=True)
     model = cli_models.TokenModel()
     model.load_state_dict(saved["params"][0])

@@ -29,8 +29,15 @@ _context = importlib.import_module("kiln.launch.context")  # the module: kiln.la
 
 
 # -- the real two-rank run ------------------------------------------------------------------------
-SITES = {"trainer/options.py", "trainer/trainer.py", "trainer/evaluation.py", "callbacks/nan_monitor.py",
-         "hooks/metrics.py", "config/reduction.py", "checkpoint/preemption.py"}
+SITES = {
+    "trainer/options.py",
+    "trainer/trainer.py",
+    "trainer/evaluation.py",
+    "callbacks/nan_monitor.py",
+    "hooks/metrics.py",
+    "config/reduction.py",
+    "checkpoint/preemption.py",
+}
 
 
 @pytest.mark.timeout(240)
@@ -65,6 +72,7 @@ def accelerator_world():
         def collective(*args, **kwargs):
             values = [*args, *kwargs.values()]
             raise Reached(op, [t.device for t in tensors_in(values)], kiln_site())
+
         return collective
 
     # undone before conftest's clean-up, which asks torch.distributed whether a group exists
@@ -121,8 +129,11 @@ def _throughput(device):
     return metric
 
 
-@pytest.mark.parametrize("make", [_loss_metric, _count_accuracy, _torchmetrics_accuracy, _throughput],
-                         ids=["loss", "accuracy-count", "accuracy-torchmetrics", "throughput"])
+@pytest.mark.parametrize(
+    "make",
+    [_loss_metric, _count_accuracy, _torchmetrics_accuracy, _throughput],
+    ids=["loss", "accuracy-count", "accuracy-torchmetrics", "throughput"],
+)
 def test_colossal_hook_metrics_sum_over_ranks_on_the_context_device(accelerator_world, make):
     metric = make(accelerator_world)
     reached = _reach(metric.get_accumulated_value)

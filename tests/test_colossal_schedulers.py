@@ -309,8 +309,9 @@ def test_bad_arguments_raise_value_error_naming_them(argument: str, value: str, 
     assert argument in message and value in message, message
 
 
-@pytest.mark.parametrize("module", [colossal, colossal_plain, colossal_warmup],
-                         ids=["colossal", "colossal_plain", "colossal_warmup"])
+@pytest.mark.parametrize(
+    "module", [colossal, colossal_plain, colossal_warmup], ids=["colossal", "colossal_plain", "colossal_warmup"]
+)
 def test_docstring_examples_run(module) -> None:
     result = doctest.testmod(module, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

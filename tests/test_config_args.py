@@ -91,7 +91,11 @@ def test_every_field_has_a_one_line_doc():
     from kiln.config import components
     from kiln.config.compute import ComputeConfig
 
-    for cls in [TrainerArgs, ComputeConfig, *(getattr(components, n) for n in components.__all__ if n.endswith("Config"))]:
+    for cls in [
+        TrainerArgs,
+        ComputeConfig,
+        *(getattr(components, n) for n in components.__all__ if n.endswith("Config")),
+    ]:
         missing = [f.name for f in dataclasses.fields(cls) if not field_docs(cls).get(f.name)]
         assert not missing, f"{cls.__name__} fields without a doc line: {missing}"
 
@@ -105,8 +109,11 @@ def test_hook_union_is_picked_by_keys():
 
 def test_bare_logger_names_resolve_to_kiln_loggers():
     args = _args(log=[{"type": "console"}, {"type": "File", "args": {"path": "x"}}, {"type": "TensorBoardLogger"}])
-    assert [log.type for log in args.log] == ["kiln.loggers.ConsoleLogger", "kiln.loggers.FileLogger",
-                                              "kiln.loggers.TensorBoardLogger"]
+    assert [log.type for log in args.log] == [
+        "kiln.loggers.ConsoleLogger",
+        "kiln.loggers.FileLogger",
+        "kiln.loggers.TensorBoardLogger",
+    ]
 
 
 def test_precision_forms():
@@ -118,29 +125,55 @@ def test_precision_forms():
 
 # -- overrides converted by field type --------------------------------------------------------------
 def test_overrides_follow_field_types():
-    got = dict((k, v) for k, v, _ in typed_overrides(
-        ["--checkpoint.save_dir", "001", "--max_epochs", "3", "--checkpoint.resume_from", "None",
-         "--model.args.dim", "4", "--optimizer.args.betas", "(0.9, 0.99)", "--instance_name=1e3",
-         "--precision", "{'param': 'bf16'}"]))
-    assert got == {"checkpoint.save_dir": "001", "max_epochs": 3, "checkpoint.resume_from": None,
-                   "model.args.dim": 4, "optimizer.args.betas": (0.9, 0.99), "instance_name": "1e3",
-                   "precision": {"param": "bf16"}}
+    got = dict(
+        (k, v)
+        for k, v, _ in typed_overrides(
+            [
+                "--checkpoint.save_dir",
+                "001",
+                "--max_epochs",
+                "3",
+                "--checkpoint.resume_from",
+                "None",
+                "--model.args.dim",
+                "4",
+                "--optimizer.args.betas",
+                "(0.9, 0.99)",
+                "--instance_name=1e3",
+                "--precision",
+                "{'param': 'bf16'}",
+            ]
+        )
+    )
+    assert got == {
+        "checkpoint.save_dir": "001",
+        "max_epochs": 3,
+        "checkpoint.resume_from": None,
+        "model.args.dim": 4,
+        "optimizer.args.betas": (0.9, 0.99),
+        "instance_name": "1e3",
+        "precision": {"param": "bf16"},
+    }
 
 
 def test_list_items_can_be_added_by_index(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model: {type: cli_models.TokenModel}\noptimizer: {type: torch.optim.SGD, args: {lr: 0.1}}\n"
-                    "dataset: {type: cli_models.TokenDataset}\nmax_epochs: 1\n")
+    path.write_text(
+        "model: {type: cli_models.TokenModel}\noptimizer: {type: torch.optim.SGD, args: {lr: 0.1}}\n"
+        "dataset: {type: cli_models.TokenDataset}\nmax_epochs: 1\n"
+    )
     args = load_trainer_args(path, ["--log.0.type", "console", "--log.1.type", "file", "--log.1.args.path", "x"])
     assert [log.type for log in args.log] == ["kiln.loggers.ConsoleLogger", "kiln.loggers.FileLogger"]
 
 
 def test_load_resolves_references_and_round_trips(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model: {type: cli_models.TokenModel, args: {dim: 4}}\n"
-                    "optimizer: {type: torch.optim.SGD, args: {lr: 0.1}}\n"
-                    "dataset: {type: cli_models.TokenDataset, train_args: {dim: $(model.args.dim)}}\n"
-                    "max_epochs: 1\nmicro_batch_size: 2\nglobal_batch_size: 8\n")
+    path.write_text(
+        "model: {type: cli_models.TokenModel, args: {dim: 4}}\n"
+        "optimizer: {type: torch.optim.SGD, args: {lr: 0.1}}\n"
+        "dataset: {type: cli_models.TokenDataset, train_args: {dim: $(model.args.dim)}}\n"
+        "max_epochs: 1\nmicro_batch_size: 2\nglobal_batch_size: 8\n"
+    )
     args = load_trainer_args(path, world_size=2)
     assert args.dataset.train_args["dim"] == 4 and args.grad_accumulation_steps == 2
     again = tmp_path / "again.yaml"
@@ -149,25 +182,31 @@ def test_load_resolves_references_and_round_trips(tmp_path):
 
 
 # -- world-size arithmetic ---------------------------------------------------------------------------
-@pytest.mark.parametrize("given, world, expected", [
-    ({"micro_batch_size": 2}, 2, (4, 1)),
-    ({"micro_batch_size": 2, "global_batch_size": 8}, 2, (8, 2)),
-    ({"micro_batch_size": 2, "grad_accumulation_steps": 3}, 2, (12, 3)),
-    ({"micro_batch_size": 2, "global_batch_size": 12, "grad_accumulation_steps": 3}, 2, (12, 3)),
-    ({"micro_batch_size": 1, "global_batch_size": 8, "compute_config": {"plan_ngpus": 2}}, 4, (8, 4)),
-])
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ({"micro_batch_size": 2}, 2, (4, 1)),
+        ({"micro_batch_size": 2, "global_batch_size": 8}, 2, (8, 2)),
+        ({"micro_batch_size": 2, "grad_accumulation_steps": 3}, 2, (12, 3)),
+        ({"micro_batch_size": 2, "global_batch_size": 12, "grad_accumulation_steps": 3}, 2, (12, 3)),
+        ({"micro_batch_size": 1, "global_batch_size": 8, "compute_config": {"plan_ngpus": 2}}, 4, (8, 4)),
+    ],
+)
 def test_batch_arithmetic(given, world, expected):
     args = _args(world, **given)
     assert (args.global_batch_size, args.grad_accumulation_steps) == expected
 
 
-@pytest.mark.parametrize("given, world, path", [
-    ({"micro_batch_size": 4, "global_batch_size": 10}, 1, "global_batch_size"),
-    ({"micro_batch_size": 2, "global_batch_size": 8, "grad_accumulation_steps": 3}, 2, "grad_accumulation_steps"),
-    ({"compute_config": {"runtime_ngpus": 4}}, 2, "compute_config.runtime_ngpus"),
-    ({"compute_config": {"plan_ngpus": 3}}, 4, "compute_config.plan_ngpus"),
-    ({"micro_batch_size": 0}, 1, "micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "given, world, path",
+    [
+        ({"micro_batch_size": 4, "global_batch_size": 10}, 1, "global_batch_size"),
+        ({"micro_batch_size": 2, "global_batch_size": 8, "grad_accumulation_steps": 3}, 2, "grad_accumulation_steps"),
+        ({"compute_config": {"runtime_ngpus": 4}}, 2, "compute_config.runtime_ngpus"),
+        ({"compute_config": {"plan_ngpus": 3}}, 4, "compute_config.plan_ngpus"),
+        ({"micro_batch_size": 0}, 1, "micro_batch_size"),
+    ],
+)
 def test_batch_arithmetic_errors(given, world, path):
     e = _error(_args, world, **given)
     assert e.path == path and path in str(e)
@@ -189,8 +228,10 @@ def test_component_checks_name_the_field():
     e = _error(check_components, _args(model={"args": {"dimm": 3}}))
     assert e.path == "model.args" and "'dimm' -> 'dim'" in str(e)
     assert _error(check_components, _args(optimizer={"args": {"lrr": 1}})).path == "optimizer.args"
-    e = _error(check_components, _args(dataset_sampler={"type": "torch.utils.data.DistributedSampler",
-                                                        "train_args": {"shufle": True}}))
+    e = _error(
+        check_components,
+        _args(dataset_sampler={"type": "torch.utils.data.DistributedSampler", "train_args": {"shufle": True}}),
+    )
     assert e.path == "dataset_sampler.train_args"
     e = _error(check_components, _args(model={"args": {"dim": {"__type": "nope.Nothing"}}}))
     assert e.path == "model.args.dim.__type"
@@ -224,9 +265,11 @@ def _samples(indices):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "per-token-mean"])
 def test_grad_reduction_matches_hand_computation(reduction):
-    trainer = _fit(global_batch_size=4, optimizer={"grad_reduction": reduction,
-                                                    "aggregate_outputs_fn": "cli_models.count_tokens"},
-                   hook={"before_optimizer_step": "cli_models.record_grads"})
+    trainer = _fit(
+        global_batch_size=4,
+        optimizer={"grad_reduction": reduction, "aggregate_outputs_fn": "cli_models.count_tokens"},
+        hook={"before_optimizer_step": "cli_models.record_grads"},
+    )
     microbatches = [_samples([0, 1]), _samples([2, 3])]
     tokens = sum(mb["mask"].sum() for mb in microbatches)
     divisor = {"mean": 2, "sum": 1, "per-token-mean": tokens}[reduction]
@@ -238,9 +281,13 @@ def test_grad_reduction_matches_hand_computation(reduction):
 
 def test_sum_reduction_with_a_ragged_last_batch():
     # 7 samples, 4 per step: step 2 gets 3 samples, split into micro-batches of 2 and 1, each counted once
-    _fit(global_batch_size=4, max_train_steps=2, dataset={"train_args": {"size": 7}},
-         optimizer={"grad_reduction": "sum", "loss_reduction": "sum"},
-         hook={"before_optimizer_step": "cli_models.record_grads"})
+    _fit(
+        global_batch_size=4,
+        max_train_steps=2,
+        dataset={"train_args": {"size": 7}},
+        optimizer={"grad_reduction": "sum", "loss_reduction": "sum"},
+        hook={"before_optimizer_step": "cli_models.record_grads"},
+    )
     data = cli_models.TokenDataset(size=7)
     microbatches = [torch.utils.data.default_collate([data[i] for i in idx]) for idx in ([4, 5], [6])]
     expected, _ = _hand_grads(cli_models.RECORD["params"][1], microbatches, 1)
@@ -248,11 +295,14 @@ def test_sum_reduction_with_a_ragged_last_batch():
         torch.testing.assert_close(grad, expected[name])
 
 
-@pytest.mark.parametrize("precision, dtypes", [
-    ({"param": "bf16", "buffer": "fp32", "input": "bf16"}, (torch.bfloat16, torch.float32, torch.bfloat16)),
-    ({"param": "fp32", "buffer": "bf16"}, (torch.float32, torch.bfloat16, torch.float32)),
-    ("bf16", (torch.bfloat16, torch.bfloat16, torch.bfloat16)),
-])
+@pytest.mark.parametrize(
+    "precision, dtypes",
+    [
+        ({"param": "bf16", "buffer": "fp32", "input": "bf16"}, (torch.bfloat16, torch.float32, torch.bfloat16)),
+        ({"param": "fp32", "buffer": "bf16"}, (torch.float32, torch.bfloat16, torch.float32)),
+        ("bf16", (torch.bfloat16, torch.bfloat16, torch.bfloat16)),
+    ],
+)
 def test_per_tensor_type_precision(precision, dtypes):
     trainer = _fit(model={"type": "cli_models.DtypeModel"}, precision=precision)
     model = trainer.state.model
@@ -269,19 +319,40 @@ def test_end_to_end_model_keeps_its_class_name_and_keys():
 
 
 def test_hook_points_fire_in_nnscaler_order():
-    names = ["after_setup", "on_train_start", "on_epoch_start", "on_train_step_start", "before_zero_grad",
-             "after_zero_grad", "after_aggregate_train_step_outputs", "before_gnorm_clip", "after_gnorm_clip",
-             "before_optimizer_step", "after_optimizer_step", "on_train_step_end", "on_val_start", "on_val_step_start",
-             "on_val_step_end", "on_val_end", "on_train_end"]
-    _fit(hook={n: f"cli_models.{n}" for n in names}, dataset={"val_args": {"size": 2}},
-         val_every_n_train_steps=1, micro_batch_size=2, optimizer={"clip_gnorm": 1.0})
+    names = [
+        "after_setup",
+        "on_train_start",
+        "on_epoch_start",
+        "on_train_step_start",
+        "before_zero_grad",
+        "after_zero_grad",
+        "after_aggregate_train_step_outputs",
+        "before_gnorm_clip",
+        "after_gnorm_clip",
+        "before_optimizer_step",
+        "after_optimizer_step",
+        "on_train_step_end",
+        "on_val_start",
+        "on_val_step_start",
+        "on_val_step_end",
+        "on_val_end",
+        "on_train_end",
+    ]
+    _fit(
+        hook={n: f"cli_models.{n}" for n in names},
+        dataset={"val_args": {"size": 2}},
+        val_every_n_train_steps=1,
+        micro_batch_size=2,
+        optimizer={"clip_gnorm": 1.0},
+    )
     assert cli_models.RECORD["points"] == names
 
 
 def test_before_optimizer_step_sees_clipped_gradients_and_clipping_happens_once():
     # nnScaler's order: clip, after_gnorm_clip(norm before clipping), before_optimizer_step, step
-    clipped = _fit(hook={"before_optimizer_step": "cli_models.record_grads"}, optimizer={"clip_gnorm": 1e-3},
-                   max_train_steps=2)
+    clipped = _fit(
+        hook={"before_optimizer_step": "cli_models.record_grads"}, optimizer={"clip_gnorm": 1e-3}, max_train_steps=2
+    )
     grads = cli_models.RECORD["grads"]
     assert len(grads) == 2
     for step in grads:
@@ -299,12 +370,18 @@ def test_checkpoint_hooks_and_resume_in_process(tmp_path):
     hook = {"on_save_checkpoint": "cli_models.save_extra", "on_load_checkpoint": "cli_models.load_extra"}
     first = _fit(checkpoint={"no_save": False, "save_dir": folder, "every_n_train_steps": 1}, hook=hook)
     assert first.state.timestamp.batch.value == 1
-    second = _fit(checkpoint={"no_save": False, "save_dir": folder, "every_n_train_steps": 1, "resume_from": "last"},
-                  hook=hook, max_train_steps=3)
+    second = _fit(
+        checkpoint={"no_save": False, "save_dir": folder, "every_n_train_steps": 1, "resume_from": "last"},
+        hook=hook,
+        max_train_steps=3,
+    )
     assert cli_models.RECORD["loaded"] == [{"note": "saved at 1"}]
     assert second.state.timestamp.batch.value == 3
-    assert sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("ep")) == \
-        ["ep0-ba1", "ep0-ba2", "ep0-ba3"]
+    assert sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("ep")) == [
+        "ep0-ba1",
+        "ep0-ba2",
+        "ep0-ba3",
+    ]
 
 
 def test_durations_schedulers_init_env_and_initial_weights(tmp_path):
@@ -314,9 +391,17 @@ def test_durations_schedulers_init_env_and_initial_weights(tmp_path):
     weights = tmp_path / "w.pt"
     initial = cli_models.TokenModel()
     torch.save(initial.state_dict(), weights)
-    trainer = _fit(max_train_steps=2, init_env_fn="cli_models.init_env", tracing_from_weights=str(weights),
-                   lr_scheduler={"type": "torch.optim.lr_scheduler.StepLR", "args": {"step_size": 1, "gamma": 0.5},
-                                 "interval": "step"}, hook={"before_optimizer_step": "cli_models.record_grads"})
+    trainer = _fit(
+        max_train_steps=2,
+        init_env_fn="cli_models.init_env",
+        tracing_from_weights=str(weights),
+        lr_scheduler={
+            "type": "torch.optim.lr_scheduler.StepLR",
+            "args": {"step_size": 1, "gamma": 0.5},
+            "interval": "step",
+        },
+        hook={"before_optimizer_step": "cli_models.record_grads"},
+    )
     assert cli_models.RECORD["points"] == [("init_env", 2)]
     torch.testing.assert_close(cli_models.RECORD["params"][0]["proj.weight"], initial.proj.weight)
     assert trainer.state.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)  # stepped every step
@@ -334,9 +419,11 @@ def test_compile_mode_builds_without_training(tmp_path, capsys, monkeypatch):
 
 def test_python_file_and_dict_sources(tmp_path):
     path = tmp_path / "run.py"
-    path.write_text("import math\nmodel = dict(type='cli_models.TokenModel', args=dict(dim=3))\n"
-                    "optimizer = {'type': 'torch.optim.SGD', 'args': {'lr': math.sqrt(0.01)}}\n"
-                    "dataset = {'type': 'cli_models.TokenDataset'}\nmax_epochs = 1\n")
+    path.write_text(
+        "import math\nmodel = dict(type='cli_models.TokenModel', args=dict(dim=3))\n"
+        "optimizer = {'type': 'torch.optim.SGD', 'args': {'lr': math.sqrt(0.01)}}\n"
+        "dataset = {'type': 'cli_models.TokenDataset'}\nmax_epochs = 1\n"
+    )
     from_py = load_trainer_args(path, ["--max_epochs", "2"])
     assert from_py.optimizer.args["lr"] == pytest.approx(0.1) and from_py.max_epochs == 2
     assert load_trainer_args(from_py.to_dict()) == from_py

@@ -36,30 +36,51 @@ def _one_line(error: pytest.ExceptionInfo[ConfigError]) -> str:
 
 def test_parse_space_and_equals_forms():
     assert parse_overrides(["--a.b.c", "1", "--x=abc", "--y=a=b"]) == [
-        ("a.b.c", 1, False), ("x", "abc", False), ("y", "a=b", False)]
+        ("a.b.c", 1, False),
+        ("x", "abc", False),
+        ("y", "a=b", False),
+    ]
 
 
 def test_parse_dash_and_underscore_are_the_same():
     assert parse_overrides(["--max-epochs", "3", "--model.num-layers=2"]) == [
-        ("max_epochs", 3, False), ("model.num_layers", 2, False)]
+        ("max_epochs", 3, False),
+        ("model.num_layers", 2, False),
+    ]
 
 
 def test_parse_deletion():
-    assert parse_overrides(["--lr-scheduler!", "--a.b", "2"]) == [
-        ("lr_scheduler", None, True), ("a.b", 2, False)]
+    assert parse_overrides(["--lr-scheduler!", "--a.b", "2"]) == [("lr_scheduler", None, True), ("a.b", 2, False)]
 
 
 def test_parse_negative_number_is_a_value():
     assert parse_overrides(["--x", "-1"]) == [("x", -1, False)]
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ("1", 1), ("-3", -3), ("1.5", 1.5), ("1e-3", 1e-3), ("[1,2]", [1, 2]),
-    ("{'a': 1}", {"a": 1}), ("(1, 2)", (1, 2)), ("True", True), ("False", False),
-    ("true", True), ("false", False), ("None", None), ("'1'", "1"),
-    ("abc", "abc"), ("1.2.3", "1.2.3"), ("path/to.yaml", "path/to.yaml"),
-    ("torch.optim.Adam", "torch.optim.Adam"), ("[a, b]", "[a, b]"), ("", ""),
-])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("1", 1),
+        ("-3", -3),
+        ("1.5", 1.5),
+        ("1e-3", 1e-3),
+        ("[1,2]", [1, 2]),
+        ("{'a': 1}", {"a": 1}),
+        ("(1, 2)", (1, 2)),
+        ("True", True),
+        ("False", False),
+        ("true", True),
+        ("false", False),
+        ("None", None),
+        ("'1'", "1"),
+        ("abc", "abc"),
+        ("1.2.3", "1.2.3"),
+        ("path/to.yaml", "path/to.yaml"),
+        ("torch.optim.Adam", "torch.optim.Adam"),
+        ("[a, b]", "[a, b]"),
+        ("", ""),
+    ],
+)
 def test_literal_guessing(raw, expected):
     value = guess_value(raw)
     assert value == expected and type(value) is type(expected)
@@ -68,8 +89,7 @@ def test_literal_guessing(raw, expected):
 
 
 def test_parse_without_guessing_keeps_strings():
-    assert parse_overrides(["--name", "1e3", "--n=5"], guess=False) == [
-        ("name", "1e3", False), ("n", "5", False)]
+    assert parse_overrides(["--name", "1e3", "--n=5"], guess=False) == [("name", "1e3", False), ("n", "5", False)]
 
 
 def test_key_without_value_is_an_error():
@@ -116,23 +136,24 @@ BASE = {
 
 
 def test_nested_dotted_keys_and_new_dicts():
-    out = apply_overrides(BASE, parse_overrides([
-        "--model.args.dim", "32", "--model.args.nlayers=8", "--dataset.train_args.size", "100"]))
+    out = apply_overrides(
+        BASE, parse_overrides(["--model.args.dim", "32", "--model.args.nlayers=8", "--dataset.train_args.size", "100"])
+    )
     assert out["model"]["args"] == {"dim": 32, "nlayers": 8}
     assert out["dataset"] == {"train_args": {"size": 100}}
     assert BASE["model"]["args"] == {"dim": 16} and "dataset" not in BASE  # input not mutated
 
 
 def test_override_replaces_none_parent_and_whole_values():
-    out = apply_overrides(BASE, parse_overrides([
-        "--lr_scheduler.type", "pkg.Sched", "--optimizer.args", "{'lr': 1, 'eps': 2}"]))
+    out = apply_overrides(
+        BASE, parse_overrides(["--lr_scheduler.type", "pkg.Sched", "--optimizer.args", "{'lr': 1, 'eps': 2}"])
+    )
     assert out["lr_scheduler"] == {"type": "pkg.Sched"}
     assert out["optimizer"]["args"] == {"lr": 1, "eps": 2}
 
 
 def test_index_keys():
-    out = apply_overrides(BASE, parse_overrides(["--model.layers.1.dim", "4",
-                                                 "--model.layers.0", "{'dim': 9}"]))
+    out = apply_overrides(BASE, parse_overrides(["--model.layers.1.dim", "4", "--model.layers.0", "{'dim': 9}"]))
     assert out["model"]["layers"] == [{"dim": 9}, {"dim": 4}]
     out = apply_overrides(BASE, parse_overrides(["--log.0.type", "kiln.loggers.FileLogger"]))
     assert out["log"] == [{"type": "kiln.loggers.FileLogger"}]  # the list's length appends
@@ -142,8 +163,9 @@ def test_index_out_of_range_names_the_path():
     with pytest.raises(ConfigError) as e:
         apply_overrides(BASE, parse_overrides(["--model.layers.5.dim", "4"]))
     assert e.value.path == "model.layers.5"
-    assert _one_line(e) == ("model.layers.5: index 5 is out of range, model.layers has 2 item(s) "
-                            "(indices 0-1, or 2 to append)")
+    assert _one_line(e) == (
+        "model.layers.5: index 5 is out of range, model.layers has 2 item(s) (indices 0-1, or 2 to append)"
+    )
 
 
 def test_non_index_into_list():
@@ -154,8 +176,7 @@ def test_non_index_into_list():
 
 
 def test_deletion():
-    out = apply_overrides(BASE, parse_overrides(["--model.args!", "--model.layers.0!",
-                                                 "--max-epochs!"]))
+    out = apply_overrides(BASE, parse_overrides(["--model.args!", "--model.layers.0!", "--max-epochs!"]))
     assert "args" not in out["model"] and "max_epochs" not in out
     assert out["model"]["layers"] == [{"dim": 2}]
     assert "args" in BASE["model"]
@@ -200,8 +221,7 @@ def test_get_set_path():
 def test_close_match_and_format_error():
     assert close_match("max_epoch", ["max_epochs", "seed"]) == "max_epochs"
     assert close_match("zzz", ["max_epochs", "seed"]) is None
-    assert format_error("max_epochs", "ten", "an int") == (
-        "max_epochs: got 'ten' (str), expected an int")
+    assert format_error("max_epochs", "ten", "an int") == ("max_epochs: got 'ten' (str), expected an int")
     assert len(format_error("x", "y" * 500, "z")) < 120
 
 
@@ -213,8 +233,7 @@ def test_config_error_is_a_value_error_on_one_line():
 
 def test_merge():
     base = {"a": {"b": 1, "c": 2}, "d": [1]}
-    assert merge(base, {"a": {"c": 3}, "d": [2], "e": 4}) == {
-        "a": {"b": 1, "c": 3}, "d": [2], "e": 4}
+    assert merge(base, {"a": {"c": 3}, "d": [2], "e": 4}) == {"a": {"b": 1, "c": 3}, "d": [2], "e": 4}
     assert base == {"a": {"b": 1, "c": 2}, "d": [1]}
 
 
@@ -222,8 +241,11 @@ def test_merge():
 
 
 def test_exact_reference_keeps_its_type():
-    cfg = {"dim": 16, "model": {"args": {"dim": "$(dim)", "dims": "${model.args.dim}"}},
-           "opt": {"args": "$(model.args)"}}
+    cfg = {
+        "dim": 16,
+        "model": {"args": {"dim": "$(dim)", "dims": "${model.args.dim}"}},
+        "opt": {"args": "$(model.args)"},
+    }
     out = resolve_references(cfg, environ={})
     assert out["model"]["args"] == {"dim": 16, "dims": 16}
     assert out["opt"]["args"] == {"dim": 16, "dims": 16}
@@ -232,16 +254,22 @@ def test_exact_reference_keeps_its_type():
 
 
 def test_interpolation_and_chains():
-    cfg = {"name": "run", "dir": "/ckpt/$(name)/$(seed)", "seed": "$(base_seed)", "base_seed": 7,
-           "layers": [{"dim": 4}], "first": "$(layers.0.dim)", "escaped": "$\\(name) is $(name)"}
+    cfg = {
+        "name": "run",
+        "dir": "/ckpt/$(name)/$(seed)",
+        "seed": "$(base_seed)",
+        "base_seed": 7,
+        "layers": [{"dim": 4}],
+        "first": "$(layers.0.dim)",
+        "escaped": "$\\(name) is $(name)",
+    }
     out = resolve_references(cfg, environ={})
     assert out["dir"] == "/ckpt/run/7" and out["seed"] == 7 and out["first"] == 4
     assert out["escaped"] == "$(name) is run"
 
 
 def test_reference_through_a_referenced_dict_and_siblings():
-    cfg = {"base": {"x": 1}, "alias": "$(base)", "y": "$(alias.x)",
-           "a": {"x": 2, "y": "$(a.x)"}}
+    cfg = {"base": {"x": 1}, "alias": "$(base)", "y": "$(alias.x)", "a": {"x": 2, "y": "$(a.x)"}}
     out = resolve_references(cfg, environ={})
     assert out["y"] == 1 and out["a"]["y"] == 2
 
@@ -271,7 +299,8 @@ def test_missing_reference_names_the_field_and_the_reference():
     assert e.value.path == "sched.args.lr"
     assert _one_line(e) == (
         "sched.args.lr: reference '$(optimizer.args.lrr)' cannot be resolved: "
-        "optimizer.args.lrr: unknown key 'lrr' in optimizer.args (did you mean 'lr'?)")
+        "optimizer.args.lrr: unknown key 'lrr' in optimizer.args (did you mean 'lr'?)"
+    )
 
 
 def test_missing_reference_behind_another_reference_names_the_real_holder():
@@ -347,17 +376,22 @@ def test_import_type_errors_name_path_and_type():
         import_type("collections.OrderedDct", "a.__type")
     assert _one_line(e) == (
         "a.__type: cannot import 'collections.OrderedDct': module 'collections' has no attribute "
-        "or submodule 'OrderedDct' (did you mean 'collections.OrderedDict'?)")
+        "or submodule 'OrderedDct' (did you mean 'collections.OrderedDict'?)"
+    )
     with pytest.raises(ConfigError, match="got 3, expected a fully qualified name"):
         import_type(3, "x")
 
 
 def test_build_type_with_arguments():
-    cfg = {"model": {"args": {
-        "timeout": {"__type": "datetime.timedelta", "minutes": 1, "seconds": 30},
-        "table": {"__type": "collections.OrderedDict"},
-        "items": [{"__type": "datetime.timedelta", "days": 1}, 3],
-    }}}
+    cfg = {
+        "model": {
+            "args": {
+                "timeout": {"__type": "datetime.timedelta", "minutes": 1, "seconds": 30},
+                "table": {"__type": "collections.OrderedDict"},
+                "items": [{"__type": "datetime.timedelta", "days": 1}, 3],
+            }
+        }
+    }
     out = build_value(cfg)
     args = out["model"]["args"]
     assert args["timeout"] == datetime.timedelta(seconds=90)
@@ -367,16 +401,19 @@ def test_build_type_with_arguments():
 
 
 def test_build_nested_types():
-    cfg = {"__type": "collections.OrderedDict",
-           "inner": {"__type": "datetime.timedelta", "hours": 2}}
+    cfg = {"__type": "collections.OrderedDict", "inner": {"__type": "datetime.timedelta", "hours": 2}}
     out = build_value(cfg)
     assert out == collections.OrderedDict(inner=datetime.timedelta(hours=2))
 
 
 def test_build_value_type():
-    out = build_value({"path": {"__value_type": "pathlib.Path", "value": "/tmp/x"},
-                       "name": {"__value_type": "str", "value": 1},
-                       "n": {"__value_type": "int", "value": "7"}})
+    out = build_value(
+        {
+            "path": {"__value_type": "pathlib.Path", "value": "/tmp/x"},
+            "name": {"__value_type": "str", "value": 1},
+            "n": {"__value_type": "int", "value": "7"},
+        }
+    )
     assert out == {"path": pathlib.Path("/tmp/x"), "name": "1", "n": 7}
 
 
@@ -391,8 +428,9 @@ def test_build_rejected_argument_with_signature_suggests_a_name():
     with pytest.raises(ConfigError) as e:
         build_value({"x": {"__type": "fractions.Fraction", "numerater": 1}}, "cfg")
     assert e.value.path == "cfg.x"
-    assert _one_line(e) == ("cfg.x: fractions.Fraction does not accept argument(s) 'numerater' "
-                            "(did you mean 'numerater' -> 'numerator'?)")
+    assert _one_line(e) == (
+        "cfg.x: fractions.Fraction does not accept argument(s) 'numerater' (did you mean 'numerater' -> 'numerator'?)"
+    )
 
 
 def test_build_unimportable_type():

@@ -31,8 +31,7 @@ def one_rank_group():
     backend, device = ("nccl", torch.device("cuda", 0)) if CUDA else ("gloo", torch.device("cpu"))
     if CUDA:
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if CUDA else None)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device if CUDA else None)
     _set_context(None)
     ctx = kiln.context()
     assert ctx.backend == backend and ctx.device == device
@@ -74,10 +73,17 @@ def test_trainer_fit_eval_predict_on_one_rank_group(one_rank_group, strategy, pr
     # the even-forward count, predict's gather) on NCCL
     model = Net()
     loader = DataLoader(_data(), batch_size=16)
-    trainer = kiln.Trainer(model, train_dataloader=loader, eval_dataloader=DataLoader(_data(seed=1), batch_size=16),
-                           max_duration="3ep", optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                           strategy=strategy, precision=precision, progress_bar=False,
-                           callbacks=[kiln.callbacks.NaNMonitor(), kiln.callbacks.SpeedMonitor(window_size=2)])
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=loader,
+        eval_dataloader=DataLoader(_data(seed=1), batch_size=16),
+        max_duration="3ep",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
+        strategy=strategy,
+        precision=precision,
+        progress_bar=False,
+        callbacks=[kiln.callbacks.NaNMonitor(), kiln.callbacks.SpeedMonitor(window_size=2)],
+    )
     trainer.fit()
     metrics = trainer.eval()
     assert math.isfinite(metrics["eval/loss"]) and 0.0 <= metrics["eval/Accuracy"] <= 1.0
@@ -91,15 +97,29 @@ def test_colossal_hooks_on_one_rank_group(one_rank_group):
 
     model, criterion = _model(), nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine, train_dl, test_dl, _ = kiln.initialize(model, optimizer, criterion, DataLoader(_data(), batch_size=16),
-                                                   DataLoader(_data(seed=1), batch_size=32),
-                                                   config=dict(fp16=dict(mode=kiln.AMP_TYPE.TORCH)))
+    engine, train_dl, test_dl, _ = kiln.initialize(
+        model,
+        optimizer,
+        criterion,
+        DataLoader(_data(), batch_size=16),
+        DataLoader(_data(seed=1), batch_size=32),
+        config=dict(fp16=dict(mode=kiln.AMP_TYPE.TORCH)),
+    )
     trainer = kiln.Trainer(engine=engine, logger=kiln.get_dist_logger())
     accuracy = kiln.metrics.Accuracy()
-    trainer.fit(train_dataloader=train_dl, epochs=2, test_dataloader=test_dl, test_interval=1,
-                hooks=[hooks.LossHook(), hooks.AccuracyHook(accuracy_func=accuracy),
-                       hooks.ThroughputHook(), hooks.LogMetricByEpochHook(kiln.get_dist_logger())],
-                display_progress=False)
+    trainer.fit(
+        train_dataloader=train_dl,
+        epochs=2,
+        test_dataloader=test_dl,
+        test_interval=1,
+        hooks=[
+            hooks.LossHook(),
+            hooks.AccuracyHook(accuracy_func=accuracy),
+            hooks.ThroughputHook(),
+            hooks.LogMetricByEpochHook(kiln.get_dist_logger()),
+        ],
+        display_progress=False,
+    )
     value = trainer.states["metrics"]["test"]["Accuracy"].get_accumulated_value()
     assert 0.0 <= float(value) <= 1.0
 
@@ -109,8 +129,13 @@ def test_colossal_hooks_on_one_rank_group(one_rank_group):
 @needs_cuda[1]
 def test_engine_precisions_train_on_cuda(precision):
     model = _model()
-    engine = kiln.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(),
-                         precision=precision, clip_grad_norm=1.0)
+    engine = kiln.Engine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        nn.CrossEntropyLoss(),
+        precision=precision,
+        clip_grad_norm=1.0,
+    )
     x, y = _data().tensors
     x, y = x.cuda(), y.cuda()
     losses = []
@@ -129,8 +154,11 @@ def test_user_compiled_model_under_the_engine_matches_eager():
     # Trainer(compile=...) is a later lever; a model the user compiled must already train the same
     def run(compile_):
         model = _model().cuda()
-        engine = kiln.Engine(torch.compile(model) if compile_ else model,
-                             torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+        engine = kiln.Engine(
+            torch.compile(model) if compile_ else model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+        )
         x, y = _data().tensors
         for _ in range(5):
             engine.zero_grad()

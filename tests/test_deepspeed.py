@@ -24,8 +24,9 @@ from distributed import WORKERS, check, kiln_run
 if importlib.util.find_spec("deepspeed") is None:
     if "deepspeed" in os.environ.get("KILN_TEST_REQUIRE", "").split(","):
         raise ImportError("KILN_TEST_REQUIRE names deepspeed but it is not installed: run `make install`")
-    pytest.skip("deepspeed is not installed (the Makefile installs it; `make test` runs these)",
-                allow_module_level=True)
+    pytest.skip(
+        "deepspeed is not installed (the Makefile installs it; `make test` runs these)", allow_module_level=True
+    )
 sys.path.insert(0, str(WORKERS))
 
 STAGES = [f"deepspeed_zero{stage}" for stage in range(4)]
@@ -34,8 +35,9 @@ STAGES = [f"deepspeed_zero{stage}" for stage in range(4)]
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    check(kiln_run(WORKERS / "parallel_worker.py", str(out), *STAGES, timeout=400,
-                   env={"KILN_PARITY_DTYPE": "float32"}))
+    check(
+        kiln_run(WORKERS / "parallel_worker.py", str(out), *STAGES, timeout=400, env={"KILN_PARITY_DTYPE": "float32"})
+    )
     return out, json.loads((out / "parity.json").read_text())
 
 
@@ -61,7 +63,7 @@ def test_deepspeed_checkpoint_loads_under_ddp(parity, case):
     ckpt = parity[1][case]["checkpoint"]
     assert ckpt["weights_diff"] == 0.0
     assert ckpt["adam_steps"] == [4.0]
-    assert ckpt["lr"] == pytest.approx(1e-2 * 0.7 ** 4)  # the scheduler's rate, kept in the groups
+    assert ckpt["lr"] == pytest.approx(1e-2 * 0.7**4)  # the scheduler's rate, kept in the groups
 
 
 @pytest.mark.world_size(2)
@@ -88,7 +90,9 @@ def test_trainer_under_deepspeed_killed_and_autoresumed_is_bit_exact(tmp_path):
         assert x["batch"] == y["batch"] == 18  # 96 samples / (8 per batch * 2 ranks) * 3 epochs
         for section in ("model", "optimizer"):
             for key, value in x[section].items():
-                same = torch.equal(value, y[section][key]) if isinstance(value, torch.Tensor) else value == y[section][key]
+                same = (
+                    torch.equal(value, y[section][key]) if isinstance(value, torch.Tensor) else value == y[section][key]
+                )
                 assert same, f"rank {rank}: {section}.{key} differs after the resume"
 
 
@@ -102,8 +106,12 @@ def _strategy(**config):
 def test_kiln_settings_fill_the_config():
     s = _strategy(zero_optimization={"stage": 2})
     s.configure(gradient_accumulation=4, clip_grad_norm=0.5)
-    assert s.config == {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4,
-                        "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 1}
+    assert s.config == {
+        "zero_optimization": {"stage": 2},
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5,
+        "train_micro_batch_size_per_gpu": 1,
+    }
     s = _strategy(train_batch_size=64, gradient_clipping=2.0)
     s.configure(gradient_accumulation=1, clip_grad_norm=None)
     assert s.config["gradient_clipping"] == 2.0 and "train_micro_batch_size_per_gpu" not in s.config
@@ -112,24 +120,43 @@ def test_kiln_settings_fill_the_config():
     assert s.config["gradient_clipping"] == 0.0  # kiln's default, not DeepSpeed's 1.0
 
 
-@pytest.mark.parametrize("config, accum, clip, message", [
-    ({"gradient_accumulation_steps": 4}, 1, None,
-     r"deepspeed_config gradient_accumulation_steps=4 contradicts kiln's gradient_accumulation \(the Trainer's "
-     r"grad_accum\)=1: kiln fills 'gradient_accumulation_steps' from gradient_accumulation \(the Trainer's "
-     r"grad_accum\); drop it from deepspeed_config and set gradient_accumulation \(the Trainer's grad_accum\)=4"),
-    ({"gradient_clipping": 1.0}, 1, 0.5, r"deepspeed_config gradient_clipping=1.0 contradicts kiln's clip_grad_norm=0.5"),
-])
+@pytest.mark.parametrize(
+    "config, accum, clip, message",
+    [
+        (
+            {"gradient_accumulation_steps": 4},
+            1,
+            None,
+            r"deepspeed_config gradient_accumulation_steps=4 contradicts kiln's gradient_accumulation \(the Trainer's "
+            r"grad_accum\)=1: kiln fills 'gradient_accumulation_steps' from gradient_accumulation \(the Trainer's "
+            r"grad_accum\); drop it from deepspeed_config and set gradient_accumulation \(the Trainer's grad_accum\)=4",
+        ),
+        (
+            {"gradient_clipping": 1.0},
+            1,
+            0.5,
+            r"deepspeed_config gradient_clipping=1.0 contradicts kiln's clip_grad_norm=0.5",
+        ),
+    ],
+)
 def test_contradicting_settings_name_both(config, accum, clip, message):
     with pytest.raises(ValueError, match=message):
         _strategy(**config).configure(gradient_accumulation=accum, clip_grad_norm=clip)
 
 
-@pytest.mark.parametrize("config, precision, message", [
-    ({"fp16": {"enabled": True}}, "fp32", r"deepspeed_config enables 'fp16' but kiln's precision='fp32': set "
-                                          r"precision='fp16' in kiln"),
-    ({"bf16": {"enabled": True}}, "fp16", r"deepspeed_config enables 'bf16' but kiln's precision='fp16'"),
-    ({}, "amp_fp16", r"strategy='deepspeed' with precision='amp_fp16': .* use precision='fp16'"),
-])
+@pytest.mark.parametrize(
+    "config, precision, message",
+    [
+        (
+            {"fp16": {"enabled": True}},
+            "fp32",
+            r"deepspeed_config enables 'fp16' but kiln's precision='fp32': set "
+            r"precision='fp16' in kiln",
+        ),
+        ({"bf16": {"enabled": True}}, "fp16", r"deepspeed_config enables 'bf16' but kiln's precision='fp16'"),
+        ({}, "amp_fp16", r"strategy='deepspeed' with precision='amp_fp16': .* use precision='fp16'"),
+    ],
+)
 def test_precision_contradictions_fail_before_deepspeed_starts(config, precision, message):
     from kiln.launch.context import context
     from kiln.precision import get_precision
@@ -168,9 +195,16 @@ def _fit(**kwargs):
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randint(0, 2, (64,), generator=g))
-    trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=16),
-                           max_duration="3ep", optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                           criterion=nn.CrossEntropyLoss(), grad_accum=2, progress_bar=False, **kwargs)
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=torch.utils.data.DataLoader(data, batch_size=16),
+        max_duration="3ep",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        criterion=nn.CrossEntropyLoss(),
+        grad_accum=2,
+        progress_bar=False,
+        **kwargs,
+    )
     trainer.fit()
     return trainer
 
@@ -217,18 +251,47 @@ def test_cli_run_under_deepspeed_matches_ddp(tmp_path):
     from distributed import ROOT, base_env
 
     def run(name, *extra):
-        argv = ["train", "-f", "examples/mlp.yaml", "--nproc-per-node", "2", "--compute_config.use_zero", "false",
-                "--max_train_steps", "4", "--enable_progress_bar", "false", "--checkpoint.save_dir",
-                str(tmp_path / name), "--log.0.type", "file", "--log.0.args.path", str(tmp_path / f"{name}.jsonl"),
-                *extra]
-        check(subprocess.run([sys.executable, "-m", "kiln.cli.main", *argv], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env=base_env()))
+        argv = [
+            "train",
+            "-f",
+            "examples/mlp.yaml",
+            "--nproc-per-node",
+            "2",
+            "--compute_config.use_zero",
+            "false",
+            "--max_train_steps",
+            "4",
+            "--enable_progress_bar",
+            "false",
+            "--checkpoint.save_dir",
+            str(tmp_path / name),
+            "--log.0.type",
+            "file",
+            "--log.0.args.path",
+            str(tmp_path / f"{name}.jsonl"),
+            *extra,
+        ]
+        check(
+            subprocess.run(
+                [sys.executable, "-m", "kiln.cli.main", *argv],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=base_env(),
+            )
+        )
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         return {r["step"]: r["metrics"]["train/loss"] for r in lines if "train/loss" in r.get("metrics", {})}
 
     ddp = run("ddp", "--compute_config.strategy", "ddp")
-    ds = run("ds", "--compute_config.strategy", "deepspeed", "--compute_config.strategy_options",
-             '{"deepspeed_config": {"zero_optimization": {"stage": 2}}}')
+    ds = run(
+        "ds",
+        "--compute_config.strategy",
+        "deepspeed",
+        "--compute_config.strategy_options",
+        '{"deepspeed_config": {"zero_optimization": {"stage": 2}}}',
+    )
     assert sorted(ds) == sorted(ddp) == [1, 2, 3, 4]
     for step, loss in ddp.items():
         assert ds[step] == pytest.approx(loss, abs=1e-6), f"step {step}"

@@ -32,12 +32,13 @@ def test_four_accumulated_steps_equal_one_big_batch():
     eng_big.backward(eng_big.criterion(eng_big(x), y))
     eng_big.step()
 
-    eng, *_ = kiln.initialize(small, torch.optim.SGD(small.parameters(), lr=0.5), nn.CrossEntropyLoss(),
-                              config={"gradient_accumulation": 4})
+    eng, *_ = kiln.initialize(
+        small, torch.optim.SGD(small.parameters(), lr=0.5), nn.CrossEntropyLoss(), config={"gradient_accumulation": 4}
+    )
     before = copy.deepcopy(small.state_dict())
     for i in range(4):
         eng.zero_grad()
-        eng.backward(eng.criterion(eng(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8]))
+        eng.backward(eng.criterion(eng(x[i * 8 : (i + 1) * 8]), y[i * 8 : (i + 1) * 8]))
         stepped = eng.step()
         assert stepped == (i == 3)
         if i < 3:
@@ -65,14 +66,22 @@ def test_a_strategy_overriding_only_backward_runs_under_the_engine():
     x, y = _data(16)
     plain, custom = _model(), _model()
     strategy = _DoublingBackward()
-    engines = [kiln.Engine(m, torch.optim.SGD(m.parameters(), lr=0.5), nn.CrossEntropyLoss(), strategy=s,
-                           gradient_accumulation=2, clip_grad_norm=1e6)
-               for m, s in ((plain, "single"), (custom, strategy))]
+    engines = [
+        kiln.Engine(
+            m,
+            torch.optim.SGD(m.parameters(), lr=0.5),
+            nn.CrossEntropyLoss(),
+            strategy=s,
+            gradient_accumulation=2,
+            clip_grad_norm=1e6,
+        )
+        for m, s in ((plain, "single"), (custom, strategy))
+    ]
     grads = []
     for eng in engines:
         for i in range(2):
             eng.zero_grad()
-            eng.backward(eng.criterion(eng(x[i * 8:(i + 1) * 8]), y[i * 8:(i + 1) * 8]))
+            eng.backward(eng.criterion(eng(x[i * 8 : (i + 1) * 8]), y[i * 8 : (i + 1) * 8]))
             if i == 1:  # the accumulated gradients, before the optimizer step
                 grads.append([p.grad.clone() for p in eng.model.parameters()])
             assert eng.step() == (i == 1)
@@ -98,8 +107,9 @@ def test_scheduler_steps_once_per_accumulation_cycle():
 
 def test_clipping_bounds_the_global_norm():
     m = _model()
-    eng, *_ = kiln.initialize(m, torch.optim.SGD(m.parameters(), lr=0.0), nn.CrossEntropyLoss(),
-                              config={"clip_grad_norm": 0.05})
+    eng, *_ = kiln.initialize(
+        m, torch.optim.SGD(m.parameters(), lr=0.0), nn.CrossEntropyLoss(), config={"clip_grad_norm": 0.05}
+    )
     x, y = _data(16)
     eng.zero_grad()
     eng.backward(eng.criterion(eng(x), y) * 100)
@@ -110,8 +120,12 @@ def test_clipping_bounds_the_global_norm():
 
 def test_amp_fp16_skips_step_on_inf_and_lowers_scale():
     m = _model()
-    eng, *_ = kiln.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                              config={"fp16": {"mode": kiln.AMP_TYPE.TORCH}, "clip_grad_norm": 1.0})
+    eng, *_ = kiln.initialize(
+        m,
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        config={"fp16": {"mode": kiln.AMP_TYPE.TORCH}, "clip_grad_norm": 1.0},
+    )
     assert eng.precision.name == "amp_fp16" and eng.scaler is not None
     x, y = _data(8)
     before = copy.deepcopy(m.state_dict())
@@ -134,8 +148,9 @@ def test_amp_fp16_skips_step_on_inf_and_lowers_scale():
 @pytest.mark.parametrize("name,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_low_precision_params_and_inputs(name, dtype):
     m = _model()
-    eng, *_ = kiln.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                              config={"precision": name})
+    eng, *_ = kiln.initialize(
+        m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(), config={"precision": name}
+    )
     assert all(p.dtype == dtype for p in m.parameters())
     x, y = _data(8)
     eng.zero_grad()
@@ -149,28 +164,35 @@ def test_low_precision_params_and_inputs(name, dtype):
 
 def test_amp_bf16_autocasts_forward():
     m = _model()
-    eng, *_ = kiln.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                              config={"precision": "amp_bf16"})
+    eng, *_ = kiln.initialize(
+        m, torch.optim.SGD(m.parameters(), lr=0.1), nn.CrossEntropyLoss(), config={"precision": "amp_bf16"}
+    )
     out = eng(_data(4)[0])
     assert out.dtype == torch.bfloat16 and m[0].weight.dtype == torch.float32 and eng.scaler is None
 
 
 def test_per_tensor_type_precision():
     m = nn.BatchNorm1d(8)
-    eng, *_ = kiln.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                              config={"precision": {"param": "bf16", "buffer": "fp32", "input": "bf16"}})
+    eng, *_ = kiln.initialize(
+        m,
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        config={"precision": {"param": "bf16", "buffer": "fp32", "input": "bf16"}},
+    )
     assert m.weight.dtype == torch.bfloat16 and m.running_mean.dtype == torch.float32
     assert eng.precision.cast_input(torch.ones(2)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"strategy": "zero9"}, "strategy='zero9' is not known; expected one of"),
-    ({"precision": "fp8"}, "precision='fp8' is not known; expected one of fp32, amp_bf16"),
-    ({"fp16": {"mode": "weird"}}, "fp16.mode='weird' is not known"),
-    ({"gradient_accumulation": 0}, "gradient_accumulation=0 must be an integer >= 1"),
-    ({"clip_grad_norm": -1}, "clip_grad_norm=-1 must be a positive number"),
-    ({"precision": {"param": "fp64"}}, "precision\\['param'\\]='fp64' is not a dtype name"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"strategy": "zero9"}, "strategy='zero9' is not known; expected one of"),
+        ({"precision": "fp8"}, "precision='fp8' is not known; expected one of fp32, amp_bf16"),
+        ({"fp16": {"mode": "weird"}}, "fp16.mode='weird' is not known"),
+        ({"gradient_accumulation": 0}, "gradient_accumulation=0 must be an integer >= 1"),
+        ({"clip_grad_norm": -1}, "clip_grad_norm=-1 must be a positive number"),
+        ({"precision": {"param": "fp64"}}, "precision\\['param'\\]='fp64' is not a dtype name"),
+    ],
+)
 def test_bad_config_names_the_key(config, message):
     m = _model()
     with pytest.raises(ValueError, match=message):
@@ -179,17 +201,23 @@ def test_bad_config_names_the_key(config, message):
 
 def test_state_dict_round_trip():
     m = _model()
-    eng, *_ = kiln.initialize(m, torch.optim.Adam(m.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                              config={"precision": "amp_fp16"})
+    eng, *_ = kiln.initialize(
+        m, torch.optim.Adam(m.parameters(), lr=0.1), nn.CrossEntropyLoss(), config={"precision": "amp_fp16"}
+    )
     x, y = _data(8)
-    eng.zero_grad(); eng.backward(eng.criterion(eng(x), y)); eng.step()  # noqa: E702
+    eng.zero_grad()
+    eng.backward(eng.criterion(eng(x), y))
+    eng.step()  # noqa: E702
     sd = copy.deepcopy(eng.state_dict())
     m2 = _model(seed=5)
-    eng2, *_ = kiln.initialize(m2, torch.optim.Adam(m2.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                               config={"precision": "amp_fp16"})
+    eng2, *_ = kiln.initialize(
+        m2, torch.optim.Adam(m2.parameters(), lr=0.1), nn.CrossEntropyLoss(), config={"precision": "amp_fp16"}
+    )
     eng2.load_state_dict(sd)
     for e in (eng, eng2):
-        e.zero_grad(); e.backward(e.criterion(e(x), y)); e.step()  # noqa: E702
+        e.zero_grad()
+        e.backward(e.criterion(e(x), y))
+        e.step()  # noqa: E702
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
     assert eng2.scaler.get_scale() == eng.scaler.get_scale()
 

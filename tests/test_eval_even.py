@@ -25,8 +25,14 @@ PG_TIMEOUT = 60  # seconds: far above a healthy collective's wait, far below the
 def _launch(tmp_path_factory, nproc, cases):
     out = tmp_path_factory.mktemp(f"eval_even{nproc}")
     port = free_port()
-    env = lambda rank: {"RANK": rank, "WORLD_SIZE": nproc, "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port, "KILN_TEST_PG_TIMEOUT": PG_TIMEOUT}
+    env = lambda rank: {
+        "RANK": rank,
+        "WORLD_SIZE": nproc,
+        "LOCAL_RANK": rank,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "KILN_TEST_PG_TIMEOUT": PG_TIMEOUT,
+    }
     results = run_ranks(WORKERS / "eval_even_worker.py", env, nproc=nproc, args=(str(out), *cases), timeout=400)
     ranks = []
     for rank in range(nproc):
@@ -50,8 +56,10 @@ def _check_case(launch, case):
     done = [case in r for r in ranks]
     if not all(done):
         failed = next((p for p in procs if p.returncode != 0), procs[0])
-        pytest.fail(f"{case}: ranks {[i for i, d in enumerate(done) if not d]} did not finish it (a rank left "
-                    f"waiting in a collective times out)\n{failed.stderr[-3000:]}")
+        pytest.fail(
+            f"{case}: ranks {[i for i, d in enumerate(done) if not d]} did not finish it (a rank left "
+            f"waiting in a collective times out)\n{failed.stderr[-3000:]}"
+        )
     for rank, results in enumerate(ranks):
         r = results[case]
         # every rank's metrics are those of one process on the same weights (float64 model)

@@ -45,8 +45,9 @@ RECORD_COMMAND = ".venv/bin/python tests/test_golden_runs.py --record"
 
 def run_cases(out: Path) -> dict[str, Any]:
     """Both launches of golden_runs.py; ``{case: entry}`` without the timings."""
-    single = subprocess.run([sys.executable, str(RUNS), str(out), "single"], env=base_env(), capture_output=True,
-                            text=True, timeout=400)
+    single = subprocess.run(
+        [sys.executable, str(RUNS), str(out), "single"], env=base_env(), capture_output=True, text=True, timeout=400
+    )
     check(single)
     check(kiln_run(RUNS, str(out), "multi", nproc=2, timeout=400))
     cases: dict[str, Any] = {}
@@ -72,8 +73,10 @@ def differences(name: str, recorded: dict[str, Any], got: dict[str, Any]) -> lis
         for step, (a, b) in enumerate(zip(want, have), start=1):
             if a != b:
                 before = {1: "the first step", 2: "step 1 agrees"}.get(step, f"steps 1-{step - 1} agree")
-                problems.append(f"{name}: rank {rank} loss differs first at step {step} ({before}): "
-                                f"recorded {_loss(a)}, got {_loss(b)}")
+                problems.append(
+                    f"{name}: rank {rank} loss differs first at step {step} ({before}): "
+                    f"recorded {_loss(a)}, got {_loss(b)}"
+                )
                 break
         else:
             if len(want) != len(have):
@@ -85,8 +88,10 @@ def differences(name: str, recorded: dict[str, Any], got: dict[str, Any]) -> lis
         moved = sorted(k for k in names if recorded["weights"].get(k) != got["weights"].get(k))
         which = f"all {len(names)} tensors" if len(moved) == len(names) else ", ".join(moved) or "none by name"
         ranks = [r for r, (a, b) in enumerate(zip(recorded["weights_sha256"], got["weights_sha256"])) if a != b]
-        problems.append(f"{name}: final weights differ on rank(s) {ranks or 'all'} ({which}; sha256 recorded "
-                        f"{_short(recorded['weights_sha256'])}, got {_short(got['weights_sha256'])})")
+        problems.append(
+            f"{name}: final weights differ on rank(s) {ranks or 'all'} ({which}; sha256 recorded "
+            f"{_short(recorded['weights_sha256'])}, got {_short(got['weights_sha256'])})"
+        )
     if recorded["optimizer_sha256"] != got["optimizer_sha256"]:
         ranks = [r for r, (a, b) in enumerate(zip(recorded["optimizer_sha256"], got["optimizer_sha256"])) if a != b]
         problems.append(f"{name}: optimizer state differs on rank(s) {ranks or 'all'}")
@@ -99,12 +104,14 @@ def environment() -> dict[str, str]:
 
     cpu = platform.processor() or "unknown"
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
-    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpu": cpu}
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(), "cpu": cpu}
 
 
 def _load_recording() -> dict[str, Any]:
@@ -143,12 +150,17 @@ def test_run_matches_the_recording_bit_for_bit(runs, case):
     problems = differences(case, recording["cases"][case], runs[case])
     if problems:
         recorded, here = recording["environment"], environment()
-        changed = [f"{key} {recorded.get(key)!r} -> {here[key]!r}" for key in ("torch", "cpu")
-                   if recorded.get(key) != here[key]]
+        changed = [
+            f"{key} {recorded.get(key)!r} -> {here[key]!r}"
+            for key in ("torch", "cpu")
+            if recorded.get(key) != here[key]
+        ]
         note = ""
         if changed:
-            note = (f"\nrecorded elsewhere ({'; '.join(changed)}): the last bits may legitimately differ; if this "
-                    f"code did not change the numbers, re-record deliberately: {RECORD_COMMAND}")
+            note = (
+                f"\nrecorded elsewhere ({'; '.join(changed)}): the last bits may legitimately differ; if this "
+                f"code did not change the numbers, re-record deliberately: {RECORD_COMMAND}"
+            )
         pytest.fail("\n".join(problems) + note, pytrace=False)
 
 
@@ -167,12 +179,17 @@ def record() -> int:
     problems = [p for name in sorted(first) for p in differences(name, first[name], second.get(name, first[name]))]
     problems += [f"{name}: ran only once" for name in sorted(set(first) ^ set(second))]
     if problems:
-        print("not recorded: two runs of the same code differ (a nondeterministic case):\n" + "\n".join(problems),
-              file=sys.stderr)
+        print(
+            "not recorded: two runs of the same code differ (a nondeterministic case):\n" + "\n".join(problems),
+            file=sys.stderr,
+        )
         return 1
     RECORDING.parent.mkdir(exist_ok=True)
-    data = {"about": "tests/test_golden_runs.py; re-record only deliberately: " + RECORD_COMMAND,
-            "environment": environment(), "cases": first}
+    data = {
+        "about": "tests/test_golden_runs.py; re-record only deliberately: " + RECORD_COMMAND,
+        "environment": environment(),
+        "cases": first,
+    }
     RECORDING.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"recorded {len(first)} cases in {RECORDING}")
     return 0

@@ -20,8 +20,13 @@ def _setup(accum=1, batches=4, bs=8):
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     engine, train_dl, test_dl, _ = kiln.initialize(
-        model, opt, nn.CrossEntropyLoss(), torch.utils.data.DataLoader(ds, batch_size=bs),
-        torch.utils.data.DataLoader(ds, batch_size=bs), config={"gradient_accumulation": accum})
+        model,
+        opt,
+        nn.CrossEntropyLoss(),
+        torch.utils.data.DataLoader(ds, batch_size=bs),
+        torch.utils.data.DataLoader(ds, batch_size=bs),
+        config={"gradient_accumulation": accum},
+    )
     return engine, train_dl, test_dl, ds
 
 
@@ -44,9 +49,13 @@ def test_priorities_order_calls_lower_first():
     engine, train_dl, test_dl, _ = _setup(batches=1)
     log = []
     trainer = kiln.Trainer(engine=engine, logger=kiln.get_dist_logger())
-    trainer.fit(train_dataloader=train_dl, epochs=1, test_dataloader=test_dl,
-                hooks=[Tracer("late", log, 20), Tracer("early", log, 0), Tracer("mid", log, 5)],
-                display_progress=False)
+    trainer.fit(
+        train_dataloader=train_dl,
+        epochs=1,
+        test_dataloader=test_dl,
+        hooks=[Tracer("late", log, 20), Tracer("early", log, 0), Tracer("mid", log, 5)],
+        display_progress=False,
+    )
     assert log == [(n, e) for e in ("before_train", "after_train_iter", "after_test") for n in ("early", "mid", "late")]
 
 
@@ -58,7 +67,7 @@ def test_lr_scheduler_hook_by_epoch_and_by_step(by_epoch, expected_steps):
     hook = hooks.LRSchedulerHook(sched, by_epoch=by_epoch)
     trainer.fit(train_dataloader=train_dl, epochs=3, hooks=[hook], display_progress=False)
     assert sched.last_epoch == expected_steps
-    assert trainer.states["metrics"]["train"]["LR"].get_accumulated_value() == pytest.approx(0.2 * 0.5 ** expected_steps)
+    assert trainer.states["metrics"]["train"]["LR"].get_accumulated_value() == pytest.approx(0.2 * 0.5**expected_steps)
 
 
 def test_accuracy_and_loss_hooks_equal_hand_computation():
@@ -74,7 +83,7 @@ def test_accuracy_and_loss_hooks_equal_hand_computation():
     with torch.no_grad():
         out = engine.module(x)
     expected_acc = (out.argmax(-1) == y).float().mean().item()
-    per_batch = [nn.functional.cross_entropy(out[i:i + 8], y[i:i + 8]).item() for i in range(0, 32, 8)]
+    per_batch = [nn.functional.cross_entropy(out[i : i + 8], y[i : i + 8]).item() for i in range(0, 32, 8)]
     test = trainer.states["metrics"]["test"]
     assert test["Accuracy"].get_accumulated_value() == pytest.approx(expected_acc, abs=1e-7)
     assert test["Loss"].get_accumulated_value() == pytest.approx(sum(per_batch) / 4, rel=1e-5)
@@ -105,8 +114,13 @@ def test_log_metric_by_epoch_hook_output(capsys):
     engine, train_dl, test_dl, _ = _setup()
     logger = kiln.get_dist_logger()
     trainer = kiln.Trainer(engine=engine, logger=logger)
-    trainer.fit(train_dataloader=train_dl, epochs=1, test_dataloader=test_dl,
-                hooks=[hooks.LossHook(), hooks.LogMetricByEpochHook(logger)], display_progress=False)
+    trainer.fit(
+        train_dataloader=train_dl,
+        epochs=1,
+        test_dataloader=test_dl,
+        hooks=[hooks.LossHook(), hooks.LogMetricByEpochHook(logger)],
+        display_progress=False,
+    )
     out = capsys.readouterr().out
     assert "[Epoch 1 / Train]: Loss = " in out and "[Epoch 1 / Test]: Loss = " in out
 
@@ -115,8 +129,13 @@ def test_tensorboard_hook_writes_event_files(tmp_path):
     ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     engine, train_dl, test_dl, _ = _setup()
     trainer = kiln.Trainer(engine=engine)
-    trainer.fit(train_dataloader=train_dl, epochs=2, test_dataloader=test_dl,
-                hooks=[hooks.LossHook(), hooks.TensorboardHook(str(tmp_path))], display_progress=False)
+    trainer.fit(
+        train_dataloader=train_dl,
+        epochs=2,
+        test_dataloader=test_dl,
+        hooks=[hooks.LossHook(), hooks.TensorboardHook(str(tmp_path))],
+        display_progress=False,
+    )
     acc = ea.EventAccumulator(str(tmp_path / "rank0"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("Loss/train")] == [1, 2]

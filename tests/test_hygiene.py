@@ -33,8 +33,18 @@ def test_no_run_output_is_tracked():
 def test_example_yaml_writes_only_under_the_working_directory(tmp_path, example):
     before = _files(ROOT)
     env = {**base_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{base_env()['PYTHONPATH']}"}  # the yaml names examples.*
-    cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / example),
-           "--nproc-per-node", "2", "--max_train_steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln.cli.main",
+        "train",
+        "-f",
+        str(ROOT / "examples" / example),
+        "--nproc-per-node",
+        "2",
+        "--max_train_steps",
+        "2",
+    ]
     check(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
     assert _files(ROOT) == before, f"the run wrote into the repository: {sorted(_files(ROOT) - before)}"
     written = _files(tmp_path)

@@ -27,8 +27,10 @@ def test_launch_single_process_sets_context_and_seed():
 
 
 def test_config_from_py_yaml_json_and_dict(tmp_path):
-    (tmp_path / "c.py").write_text("import os\nfrom pathlib import Path\nBATCH_SIZE = 128\n"
-                                   "fp16 = dict(mode='torch')\nclass Helper: pass\n__secret__ = 1\n")
+    (tmp_path / "c.py").write_text(
+        "import os\nfrom pathlib import Path\nBATCH_SIZE = 128\n"
+        "fp16 = dict(mode='torch')\nclass Helper: pass\n__secret__ = 1\n"
+    )
     cfg = kiln.Config.from_file(tmp_path / "c.py")
     assert dict(cfg) == {"BATCH_SIZE": 128, "fp16": {"mode": "torch"}}
     assert cfg.fp16.mode == "torch"
@@ -52,13 +54,16 @@ def test_config_file_that_does_not_exist(tmp_path):
         kiln.Config.from_file(tmp_path / "c.toml")
 
 
-@pytest.mark.parametrize("reader,env,missing", [
-    (from_torchrun, {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK"),
-    (from_torchrun, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR"),
-    (from_slurm, {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "SLURM_NTASKS or SLURM_NPROCS"),
-    (from_slurm, {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, "SLURM_PROCID"),
-    (from_openmpi, {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_LOCAL_RANK"),
-])
+@pytest.mark.parametrize(
+    "reader,env,missing",
+    [
+        (from_torchrun, {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK"),
+        (from_torchrun, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR"),
+        (from_slurm, {"SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "SLURM_NTASKS or SLURM_NPROCS"),
+        (from_slurm, {"SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, "SLURM_PROCID"),
+        (from_openmpi, {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ],
+)
 def test_missing_variable_names_it(reader, env, missing):
     with pytest.raises(kiln.LaunchError, match=f"environment variable {missing} is not set"):
         reader(env)
@@ -87,10 +92,18 @@ def test_bad_backend_and_rank():
 
 
 def test_default_parser():
-    args = kiln.get_default_parser().parse_args(["--config", "c.py", "--host", "h", "--port", "29501",
-                                                 "--world_size", "2", "--rank", "1", "--local_rank", "1"])
-    assert (args.config, args.host, args.port, args.world_size, args.rank, args.local_rank, args.backend) == \
-        ("c.py", "h", 29501, 2, 1, 1, "auto")
+    args = kiln.get_default_parser().parse_args(
+        ["--config", "c.py", "--host", "h", "--port", "29501", "--world_size", "2", "--rank", "1", "--local_rank", "1"]
+    )
+    assert (args.config, args.host, args.port, args.world_size, args.rank, args.local_rank, args.backend) == (
+        "c.py",
+        "h",
+        29501,
+        2,
+        1,
+        1,
+        "auto",
+    )
 
 
 def _read(tmp_path, n=2):
@@ -106,9 +119,11 @@ def test_launch_from_torch_two_processes_via_kiln_run(tmp_path):
 
 def test_launch_from_slurm_two_processes(tmp_path):
     port = free_port()
-    results = run_ranks(WORKERS / "launch_worker.py",
-                        lambda r: {"SLURM_PROCID": r, "SLURM_NTASKS": 2, "SLURM_LOCALID": r},
-                        args=("slurm", str(tmp_path), str(port)))
+    results = run_ranks(
+        WORKERS / "launch_worker.py",
+        lambda r: {"SLURM_PROCID": r, "SLURM_NTASKS": 2, "SLURM_LOCALID": r},
+        args=("slurm", str(tmp_path), str(port)),
+    )
     for res in results:
         check(res)
     assert [(r["rank"], r["local"], r["sum"]) for r in _read(tmp_path)] == [(0, 0, 3.0), (1, 1, 3.0)]
@@ -116,9 +131,11 @@ def test_launch_from_slurm_two_processes(tmp_path):
 
 def test_launch_from_openmpi_two_processes(tmp_path):
     port = free_port()
-    results = run_ranks(WORKERS / "launch_worker.py",
-                        lambda r: {"OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_SIZE": 2, "OMPI_COMM_WORLD_LOCAL_RANK": r},
-                        args=("openmpi", str(tmp_path), str(port)))
+    results = run_ranks(
+        WORKERS / "launch_worker.py",
+        lambda r: {"OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_SIZE": 2, "OMPI_COMM_WORLD_LOCAL_RANK": r},
+        args=("openmpi", str(tmp_path), str(port)),
+    )
     for res in results:
         check(res)
     assert [(r["rank"], r["world"], r["sum"]) for r in _read(tmp_path)] == [(0, 2, 3.0), (1, 2, 3.0)]

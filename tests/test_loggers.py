@@ -76,8 +76,7 @@ def test_logger_fans_out_and_converts_tensors():
     first, second = Recorder(), Recorder()
     logger = Logger([first, second], rank=0)
     logger.log_metrics(
-        {"loss": torch.tensor(0.5), "acc": torch.tensor([0.25]), "count": torch.tensor(3),
-         "lr": 0.01, "epoch": 2},
+        {"loss": torch.tensor(0.5), "acc": torch.tensor([0.25]), "count": torch.tensor(3), "lr": 0.01, "epoch": 2},
         step=7,
     )
     for destination in (first, second):

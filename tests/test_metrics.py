@@ -48,7 +48,7 @@ def test_accuracy_class_dimension_last_or_second():
     g = torch.Generator().manual_seed(1)
     scores, target = torch.randn(3, 4, 6, generator=g), torch.randint(0, 6, (3, 4), generator=g)  # (N, L, C)
     expected = (scores.argmax(-1) == target).float().mean()
-    assert torch.allclose(metrics.Accuracy()(scores, target), expected)            # Colossal-AI: classes last
+    assert torch.allclose(metrics.Accuracy()(scores, target), expected)  # Colossal-AI: classes last
     assert torch.allclose(metrics.Accuracy()(scores.permute(0, 2, 1), target), expected)  # torch: classes in dim 1
     with pytest.raises(ValueError, match=r"\(3, 4, 6\).*\(4, 3\)"):
         metrics.Accuracy()(scores, target.T)
@@ -81,7 +81,7 @@ def test_accuracy_empty_is_zero_and_copies_keep_state():
 
 def test_accuracy_with_a_task_forwards_to_torchmetrics():
     assert type(metrics.Accuracy(task="multiclass", num_classes=5)).__name__ == "MulticlassAccuracy"
-    assert type(metrics.Accuracy(num_classes=5)).__name__ == "MulticlassAccuracy"   # task implied
+    assert type(metrics.Accuracy(num_classes=5)).__name__ == "MulticlassAccuracy"  # task implied
     assert type(metrics.Accuracy(num_labels=3)).__name__ == "MultilabelAccuracy"
     assert type(metrics.Accuracy(task="binary")).__name__ == "BinaryAccuracy"
 

@@ -18,8 +18,20 @@ from distributed import WORKERS, check, kiln_run
 sys.path.insert(0, str(WORKERS))  # the shared test model lives beside the workers
 
 TOL = 1e-5
-TWO_RANKS = ["ddp", "zero1", "zero2", "zero3", "tp", "pp_1f1b", "pp_gpipe:plain", "pp_interleaved:plain,accum2",
-             "zero3_offload:plain", "zero3_amp_bf16:plain", "auto_big:plain", "auto_small:plain"]
+TWO_RANKS = [
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "tp",
+    "pp_1f1b",
+    "pp_gpipe:plain",
+    "pp_interleaved:plain,accum2",
+    "zero3_offload:plain",
+    "zero3_amp_bf16:plain",
+    "auto_big:plain",
+    "auto_small:plain",
+]
 FOUR_RANKS = ["hybrid_fsdp_tp", "hybrid_hsdp:accum2", "hybrid_pp_fsdp:accum2", "hybrid_pp_tp:clip"]
 
 
@@ -46,14 +58,17 @@ def _check_case(results, case):
         assert not r["missing"], f"{case}/{variant}: full state dict lacks {r['missing']}"
         assert r["max_diff"] < TOL, f"{case}/{variant}: weights differ from one process by {r['max_diff']:.3g}"
         if variant == "clip":  # the clipped norm is the global one, not a shard's
-            assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-9), f"{case}: grad norm {r['norm']} != {r['ref_norm']}"
+            assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-9), (
+                f"{case}: grad norm {r['norm']} != {r['ref_norm']}"
+            )
     if "eval_diff" in results[case]:
         assert results[case]["eval_diff"] < 1e-9, f"{case}: eval-mode forward differs"
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("case", ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp_1f1b", "pp_gpipe",
-                                  "pp_interleaved"])
+@pytest.mark.parametrize(
+    "case", ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "tp", "pp_1f1b", "pp_gpipe", "pp_interleaved"]
+)
 def test_parity_two_ranks(two_ranks, case):
     _check_case(two_ranks[1], case)
 
@@ -79,7 +94,7 @@ def test_zero3_checkpoint_loads_under_ddp_on_two_ranks(two_ranks):
     ckpt = two_ranks[1]["zero3"]["checkpoint"]
     assert ckpt["weights_diff"] == 0.0
     assert ckpt["adam_steps"] == [4.0]
-    assert ckpt["lr"] == pytest.approx(1e-2 * 0.7 ** 4)  # the scheduler's rate came back too
+    assert ckpt["lr"] == pytest.approx(1e-2 * 0.7**4)  # the scheduler's rate came back too
 
 
 @pytest.mark.world_size(2)

@@ -24,11 +24,18 @@ def _setup(strategy, world_size):
     return strategy.setup(model, torch.optim.AdamW(model.parameters()), ctx, get_precision("fp32"))
 
 
-@pytest.mark.parametrize("strategy,world,message", [
-    (Hybrid(dp_shard=3), 4, r"multiply to 3 but the world has 4 processes; make pp\*dp_replicate\*dp_shard\*tp equal 4"),
-    (Hybrid(tp=3), 4, r"do not divide the world of 4 processes: pp\*dp_replicate\*tp = 3 must divide 4"),
-    (Hybrid(dp_replicate=2, tp=2, pp=2, split_points=["blocks.2"]), 4, r"multiply to 8|do not divide"),
-])
+@pytest.mark.parametrize(
+    "strategy,world,message",
+    [
+        (
+            Hybrid(dp_shard=3),
+            4,
+            r"multiply to 3 but the world has 4 processes; make pp\*dp_replicate\*dp_shard\*tp equal 4",
+        ),
+        (Hybrid(tp=3), 4, r"do not divide the world of 4 processes: pp\*dp_replicate\*tp = 3 must divide 4"),
+        (Hybrid(dp_replicate=2, tp=2, pp=2, split_points=["blocks.2"]), 4, r"multiply to 8|do not divide"),
+    ],
+)
 def test_mesh_that_does_not_divide_the_world(strategy, world, message):
     with pytest.raises(ValueError, match=message):
         _setup(strategy, world)
@@ -40,10 +47,13 @@ def test_tp_plan_naming_a_missing_module():
         _setup(TensorParallel({"blocks.*.fc1": "colwise", "blocks.*.fc9": "rowwise"}), 2)
 
 
-@pytest.mark.parametrize("plan,message", [
-    ({"blocks.*.fc1": "diagonal"}, r"plan\['blocks\.\*\.fc1'\]='diagonal' is not a style; expected one of colwise"),
-    ({"blocks.0": "colwise"}, r"selects 'blocks\.0', a Block; colwise splits only nn\.Linear and nn\.Embedding"),
-])
+@pytest.mark.parametrize(
+    "plan,message",
+    [
+        ({"blocks.*.fc1": "diagonal"}, r"plan\['blocks\.\*\.fc1'\]='diagonal' is not a style; expected one of colwise"),
+        ({"blocks.0": "colwise"}, r"selects 'blocks\.0', a Block; colwise splits only nn\.Linear and nn\.Embedding"),
+    ],
+)
 def test_tp_plan_bad_style_or_target(plan, message):
     with pytest.raises(ValueError, match=message):
         _setup(TensorParallel(plan), 2)
@@ -60,12 +70,15 @@ def test_hybrid_tp_plan_naming_a_missing_module():
         _setup(Hybrid(dp_shard=2, tp=2, tp_plan={"mlp.fc1": "colwise"}), 4)
 
 
-@pytest.mark.parametrize("strategy,message", [
-    (Pipeline(["blocks.9"]), r"split point 'blocks\.9' is not a module of Net; .*did you mean 'blocks\.3'"),
-    (Pipeline(["blocks.1", "blocks.2"]), r"2 split points make 3 stages for 2 pipeline ranks; give 1 split points"),
-    (Pipeline(["blocks.2"], schedule="interleaved1f1b"), r"needs at least 2 stages per rank"),
-    (Hybrid(pp=2, dp_shard=2, split_points=["block.2"]), r"split point 'block\.2' is not a module"),
-])
+@pytest.mark.parametrize(
+    "strategy,message",
+    [
+        (Pipeline(["blocks.9"]), r"split point 'blocks\.9' is not a module of Net; .*did you mean 'blocks\.3'"),
+        (Pipeline(["blocks.1", "blocks.2"]), r"2 split points make 3 stages for 2 pipeline ranks; give 1 split points"),
+        (Pipeline(["blocks.2"], schedule="interleaved1f1b"), r"needs at least 2 stages per rank"),
+        (Hybrid(pp=2, dp_shard=2, split_points=["block.2"]), r"split point 'block\.2' is not a module"),
+    ],
+)
 def test_pipeline_split_point_that_does_not_exist(strategy, message):
     world = 4 if isinstance(strategy, Hybrid) else 2
     with pytest.raises(ValueError, match=message):
@@ -73,7 +86,9 @@ def test_pipeline_split_point_that_does_not_exist(strategy, message):
 
 
 def test_pipeline_options():
-    with pytest.raises(ValueError, match="schedule='zigzag' is not known; expected one of gpipe, 1f1b, interleaved1f1b"):
+    with pytest.raises(
+        ValueError, match="schedule='zigzag' is not known; expected one of gpipe, 1f1b, interleaved1f1b"
+    ):
         Pipeline(["blocks.2"], schedule="zigzag")
     with pytest.raises(ValueError, match="needs split_points"):
         Pipeline([])
@@ -82,7 +97,9 @@ def test_pipeline_options():
 
 
 def test_fsdp_wrap_matching_nothing():
-    with pytest.raises(ValueError, match=r"FSDP wrap='Blok' matches no module of the model; its module classes are Block"):
+    with pytest.raises(
+        ValueError, match=r"FSDP wrap='Blok' matches no module of the model; its module classes are Block"
+    ):
         _setup(FSDP(wrap="Blok"), 2)
 
 
@@ -110,5 +127,16 @@ def test_one_rank_strategies_stay_plain():
         m, o = get_strategy(name).setup(model, opt, Context(), get_precision("fp32"))
         assert m is model and o is opt, name
     assert type(get_strategy("auto", Context())).__name__ == "SingleDevice"
-    assert kiln.parallel.strategy_names() == ["auto", "ddp", "deepspeed", "fsdp", "hybrid", "pp", "single", "tp",
-                                              "zero1", "zero2", "zero3"]
+    assert kiln.parallel.strategy_names() == [
+        "auto",
+        "ddp",
+        "deepspeed",
+        "fsdp",
+        "hybrid",
+        "pp",
+        "single",
+        "tp",
+        "zero1",
+        "zero2",
+        "zero3",
+    ]

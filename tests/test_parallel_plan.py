@@ -70,8 +70,12 @@ def test_one_rank_plans_single():
 
 
 def test_kiln_plan_lists_every_candidate(capsys):
-    assert main(["plan", "--model", "parallel_model:Net", "--world-size", "2", "--budget", "60000",
-                 "--input-shape", "4,8"]) == 0
+    assert (
+        main(
+            ["plan", "--model", "parallel_model:Net", "--world-size", "2", "--budget", "60000", "--input-shape", "4,8"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for name in ("ddp", "zero1", "zero2", "zero3", "tp"):
         assert f" {name} " in out, name
@@ -94,6 +98,7 @@ def test_kiln_plan_reads_a_run_file():
     assert result.returncode == 0, result.stderr
     assert "MLP on 2 rank(s), optimizer Adam" in result.stdout  # runtime_ngpus: 2 in the file
     assert sum(line.startswith("* ") for line in result.stdout.splitlines()) == 1
-    bad = subprocess.run([*cmd[:-2], "--optimzer.args.lr", "0.1"], env=base_env(), cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [*cmd[:-2], "--optimzer.args.lr", "0.1"], env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "did you mean 'optimizer'" in bad.stderr

@@ -61,12 +61,16 @@ def four_ranks(tmp_path_factory):
 
 def _check(results, case, variant, world_size):
     r = results[case][variant]
-    for key, what in (("grad", "first-step gradients"), ("update", "first-step applied gradients"),
-                      ("weight", f"weights after {results['steps']} steps")):
+    for key, what in (
+        ("grad", "first-step gradients"),
+        ("update", "first-step applied gradients"),
+        ("weight", f"weights after {results['steps']} steps"),
+    ):
         assert not r[f"{key}_missing"], f"{case}/{variant}: {what} lack {r[f'{key}_missing']}"
         assert r[f"{key}_abs"] < TOL and r[f"{key}_rel"] < TOL, (
             f"{case}/{variant}: {what} differ from one process by {r[f'{key}_abs']:.3g} "
-            f"({r[f'{key}_rel']:.3g} relative)")
+            f"({r[f'{key}_rel']:.3g} relative)"
+        )
     if variant == "clip":  # the clipped norm is the global one, every step
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=TOL, abs=0), f"{case}: grad norms differ"
     ranks = sorted(e["rank"] for e in r["eval"])

@@ -41,8 +41,13 @@ DECLARED = {
     "hybrid": list(STEPS),
     "deepspeed": [],  # deepspeed.initialize places, casts and wraps
 }
-SEAM_VALUES = [("compile", True), ("compile", {"mode": "max-autotune"}), ("activation_checkpointing", "full"),
-               ("activation_checkpointing", lambda name, module: True), ("float8", True)]
+SEAM_VALUES = [
+    ("compile", True),
+    ("compile", {"mode": "max-autotune"}),
+    ("activation_checkpointing", "full"),
+    ("activation_checkpointing", lambda name, module: True),
+    ("float8", True),
+]
 
 
 def _setup(strategy, *, precision="fp32", world_size=1, optimizer=True):
@@ -79,15 +84,18 @@ def test_every_strategy_declares_its_steps():
         assert list(_lookup(name).steps) == steps, name
 
 
-@pytest.mark.parametrize("name, make", [
-    ("single", lambda: recording(SingleDevice)),
-    ("ddp", lambda: recording(_lookup("ddp"))),
-    ("zero1", lambda: recording(_lookup("zero1"))),
-    ("zero2", lambda: recording(_lookup("zero2"))),
-    ("zero3", lambda: recording(_lookup("zero3"))),
-    ("tp", lambda: recording(TensorParallel, PLAN)),
-    ("hybrid", lambda: recording(Hybrid, tp_plan=PLAN)),
-])
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("single", lambda: recording(SingleDevice)),
+        ("ddp", lambda: recording(_lookup("ddp"))),
+        ("zero1", lambda: recording(_lookup("zero1"))),
+        ("zero2", lambda: recording(_lookup("zero2"))),
+        ("zero3", lambda: recording(_lookup("zero3"))),
+        ("tp", lambda: recording(TensorParallel, PLAN)),
+        ("hybrid", lambda: recording(Hybrid, tp_plan=PLAN)),
+    ],
+)
 def test_one_rank_runs_the_declared_steps_and_only_places(name, make):
     # on one rank the wrapping steps run and leave the model alone; placement casts it in place
     strategy = make()
@@ -136,17 +144,26 @@ def test_an_option_the_strategy_does_not_apply_is_refused():
 
     strategy = recording(PlaceOnly)
     strategy.parallelize_options = ParallelizeOptions(compile=True)
-    with pytest.raises(ValueError, match=r"^compile=True is not applied under strategy='place_only': its steps are "
-                                         r"placement; leave compile=None with this strategy$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^compile=True is not applied under strategy='place_only': its steps are "
+        r"placement; leave compile=None with this strategy$",
+    ):
         _setup(strategy)
     assert strategy.calls == []  # refused before any step ran
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"activation_checkpointing": "fulll"}, r"activation_checkpointing='fulll' must be 'full', 'selective', a callable"),
-    ({"compile": "yes"}, r"compile='yes' must be True, a dict of settings, or None"),
-    ({"float8": 1}, r"float8=1 must be True, a dict of settings, or None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"activation_checkpointing": "fulll"},
+            r"activation_checkpointing='fulll' must be 'full', 'selective', a callable",
+        ),
+        ({"compile": "yes"}, r"compile='yes' must be True, a dict of settings, or None"),
+        ({"float8": 1}, r"float8=1 must be True, a dict of settings, or None"),
+    ],
+)
 def test_option_values_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelizeOptions(**kwargs)
@@ -157,17 +174,23 @@ def test_a_step_name_that_is_not_a_step():
         name = "typo"
         steps = ("placement", "compiel")
 
-    with pytest.raises(ValueError, match=r"Typo.steps names \['compiel'\], which are not steps; the steps are "
-                                         r"placement, float8, tensor_parallel"):
+    with pytest.raises(
+        ValueError,
+        match=r"Typo.steps names \['compiel'\], which are not steps; the steps are "
+        r"placement, float8, tensor_parallel",
+    ):
         _setup(Typo())
 
 
 # -- the mesh, checked before anything happens ----------------------------------------------------
-@pytest.mark.parametrize("make, world, bad", [
-    (lambda: recording(Hybrid, tp=3, tp_plan=PLAN), 4, "tp=3"),
-    (lambda: recording(Hybrid, dp_shard=3), 4, "dp_shard=3"),
-    (lambda: recording(Hybrid, dp_replicate=3), 2, "dp_replicate=3"),
-])
+@pytest.mark.parametrize(
+    "make, world, bad",
+    [
+        (lambda: recording(Hybrid, tp=3, tp_plan=PLAN), 4, "tp=3"),
+        (lambda: recording(Hybrid, dp_shard=3), 4, "dp_shard=3"),
+        (lambda: recording(Hybrid, dp_replicate=3), 2, "dp_replicate=3"),
+    ],
+)
 def test_a_mesh_that_does_not_fit_the_world_is_one_line_naming_the_size(make, world, bad):
     strategy = make()
     with pytest.raises(ValueError) as info:
@@ -226,23 +249,30 @@ def two_ranks(tmp_path_factory):
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 PLAIN = {"inp.weight": None, "blocks.0.fc1.weight": None, "blocks.0.fc2.weight": None}
-FSDP_SHARDS = {"inp.weight": ["S(0)", "dp_shard"], "blocks.0.fc1.weight": ["S(0)", "dp_shard"],
-               "blocks.0.fc2.weight": ["S(0)", "dp_shard"]}
+FSDP_SHARDS = {
+    "inp.weight": ["S(0)", "dp_shard"],
+    "blocks.0.fc1.weight": ["S(0)", "dp_shard"],
+    "blocks.0.fc2.weight": ["S(0)", "dp_shard"],
+}
 TP_SHARDS = {"inp.weight": None, "blocks.0.fc1.weight": ["S(0)", "tp"], "blocks.0.fc2.weight": ["S(1)", "tp"]}
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("case, declared, wrapper, sharded, weights, optimizer, data_parallel", [
-    ("ddp", "ddp", "DistributedDataParallel", [], PLAIN, "AdamW", True),
-    ("zero1", "zero1", "DistributedDataParallel", [], PLAIN, "ZeroRedundancyOptimizer", True),
-    ("zero3", "zero3", "FSDPNet", ["", *BLOCKS], FSDP_SHARDS, "AdamW", True),
-    ("tp", "tp", "Net", [], TP_SHARDS, "AdamW", False),
-    ("hybrid_tp", "hybrid", "Net", [], TP_SHARDS, "AdamW", False),
-    ("hybrid_fsdp", "hybrid", "FSDPNet", ["", *BLOCKS], FSDP_SHARDS, "AdamW", True),
-    ("root_only_fsdp", "zero3", "FSDPNet", [""], FSDP_SHARDS, "AdamW", True),
-])
-def test_two_ranks_each_strategy_applies_its_steps(two_ranks, case, declared, wrapper, sharded, weights, optimizer,
-                                                    data_parallel):
+@pytest.mark.parametrize(
+    "case, declared, wrapper, sharded, weights, optimizer, data_parallel",
+    [
+        ("ddp", "ddp", "DistributedDataParallel", [], PLAIN, "AdamW", True),
+        ("zero1", "zero1", "DistributedDataParallel", [], PLAIN, "ZeroRedundancyOptimizer", True),
+        ("zero3", "zero3", "FSDPNet", ["", *BLOCKS], FSDP_SHARDS, "AdamW", True),
+        ("tp", "tp", "Net", [], TP_SHARDS, "AdamW", False),
+        ("hybrid_tp", "hybrid", "Net", [], TP_SHARDS, "AdamW", False),
+        ("hybrid_fsdp", "hybrid", "FSDPNet", ["", *BLOCKS], FSDP_SHARDS, "AdamW", True),
+        ("root_only_fsdp", "zero3", "FSDPNet", [""], FSDP_SHARDS, "AdamW", True),
+    ],
+)
+def test_two_ranks_each_strategy_applies_its_steps(
+    two_ranks, case, declared, wrapper, sharded, weights, optimizer, data_parallel
+):
     for rank, facts in enumerate(two_ranks[case]):
         assert facts["calls"] == [[step, "model"] for step in DECLARED[declared]], (case, rank)
         assert facts["wrapper"] == wrapper and facts["wraps_the_model"], (case, rank)
@@ -256,8 +286,12 @@ def test_two_ranks_each_strategy_applies_its_steps(two_ranks, case, declared, wr
 @pytest.mark.world_size(2)
 def test_two_ranks_pipeline_cuts_between_the_whole_model_and_the_stage_steps(two_ranks):
     for facts in two_ranks["pp"]:
-        assert facts["calls"] == [["placement", "model"], ["float8", "model"],
-                                  ["activation_checkpointing", "stage"], ["compile", "stage"]]
+        assert facts["calls"] == [
+            ["placement", "model"],
+            ["float8", "model"],
+            ["activation_checkpointing", "stage"],
+            ["compile", "stage"],
+        ]
         assert facts["wrapper"] == "PipelineModule" and facts["optimizer_follows"]
 
 

@@ -57,14 +57,22 @@ def _fit(schedulers=None, make_schedulers=None, batch_size=4, callbacks=(), **kw
     if make_schedulers is not None:
         schedulers = make_schedulers(opt)
     rec = LRAtBatchEnd()
-    trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=batch_size),
-                           optimizers=opt, criterion=nn.CrossEntropyLoss(), schedulers=schedulers,
-                           progress_bar=False, callbacks=[rec, *callbacks], **kw)
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=batch_size),
+        optimizers=opt,
+        criterion=nn.CrossEntropyLoss(),
+        schedulers=schedulers,
+        progress_bar=False,
+        callbacks=[rec, *callbacks],
+        **kw,
+    )
     trainer.fit()
     return trainer, rec.lr
 
 
 # ---- 1. scale_schedule_ratio scales a schedule once ---------------------------------------------------
+
 
 @pytest.mark.parametrize("ssr", [0.5, 1.0, 2.0])
 def test_trainer_linear_schedule_ends_with_the_scaled_run(ssr):
@@ -90,9 +98,16 @@ def test_trainer_milestones_in_batches_and_epochs_scale_once(ssr):
     assert [lr[k] for k in lr] == [BASE_LR * 0.5 ** sum(k >= m for m in milestones) for k in lr]
 
 
-@pytest.mark.parametrize(("ssr", "scale_warmup", "warm"), [
-    (0.5, False, 10), (1.0, False, 10), (2.0, False, 10), (0.5, True, 5), (2.0, True, 20),
-])
+@pytest.mark.parametrize(
+    ("ssr", "scale_warmup", "warm"),
+    [
+        (0.5, False, 10),
+        (1.0, False, 10),
+        (2.0, False, 10),
+        (0.5, True, 5),
+        (2.0, True, 20),
+    ],
+)
 def test_warmup_schedule_ends_with_the_scaled_run(ssr, scale_warmup, warm):
     # Warmup stays 10 batches unless scale_warmup; the cosine always ends at the scaled run's end.
     sched = CosineAnnealingWithWarmupScheduler(t_warmup="10ba", alpha_f=0.05, scale_warmup=scale_warmup)
@@ -104,19 +119,25 @@ def test_warmup_schedule_ends_with_the_scaled_run(ssr, scale_warmup, warm):
             return k / warm
         return 0.05 + 0.95 * (1 + math.cos(math.pi * (k - warm) / (n - warm))) / 2
 
-    assert [lr[k] for k in range(1, n + 1)] == pytest.approx([BASE_LR * closed_form(k) for k in range(1, n + 1)],
-                                                             rel=1e-12)
+    assert [lr[k] for k in range(1, n + 1)] == pytest.approx(
+        [BASE_LR * closed_form(k) for k in range(1, n + 1)], rel=1e-12
+    )
     assert lr[n] == pytest.approx(BASE_LR * 0.05, rel=1e-12)
 
 
 # ---- 2. torch schedulers follow the ratio -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("ssr", [0.5, 1.0, 2.0])
 def test_trainer_scales_torch_cosine_t_max(ssr):
     # CosineAnnealingLR(T_max=40) stepped per batch over 40ba: with ssr the run and T_max both
     # become 40 * ssr, so the last batch ends at eta_min (Composer's scale_pytorch_scheduler).
-    _, lr = _fit(make_schedulers=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40, eta_min=0.01),
-                 max_duration="40ba", scale_schedule_ratio=ssr, step_schedulers_every_batch=True)
+    _, lr = _fit(
+        make_schedulers=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40, eta_min=0.01),
+        max_duration="40ba",
+        scale_schedule_ratio=ssr,
+        step_schedulers_every_batch=True,
+    )
     n = int(40 * ssr)
     expected = [0.01 + (BASE_LR - 0.01) * (1 + math.cos(math.pi * k / n)) / 2 for k in range(1, n + 1)]
     assert [lr[k] for k in range(1, n + 1)] == pytest.approx(expected, rel=1e-9, abs=1e-12)
@@ -126,14 +147,18 @@ def test_trainer_scales_torch_cosine_t_max(ssr):
 @pytest.mark.parametrize("ssr", [0.5, 1.0, 2.0])
 def test_trainer_scales_step_multistep_and_exponential(ssr):
     def make(opt):
-        return [torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5),
-                torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[16, 24], gamma=0.1),
-                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)]
+        return [
+            torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5),
+            torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[16, 24], gamma=0.1),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9),
+        ]
 
     _, lr = _fit(make_schedulers=make, max_duration="32ba", scale_schedule_ratio=ssr, step_schedulers_every_batch=True)
     n, step, milestones = int(32 * ssr), int(10 * ssr), [int(16 * ssr), int(24 * ssr)]
-    expected = [BASE_LR * 0.5 ** (k // step) * 0.1 ** sum(k >= m for m in milestones) * 0.9 ** (k / ssr)
-                for k in range(1, n + 1)]
+    expected = [
+        BASE_LR * 0.5 ** (k // step) * 0.1 ** sum(k >= m for m in milestones) * 0.9 ** (k / ssr)
+        for k in range(1, n + 1)
+    ]
     assert [lr[k] for k in range(1, n + 1)] == pytest.approx(expected, rel=1e-9)
 
 
@@ -156,6 +181,7 @@ def test_torch_schedulers_that_cannot_be_scaled_are_refused():
 
 # ---- 5. a scheduler may be a function ---------------------------------------------------------------
 
+
 def test_function_schedulers_with_one_and_two_arguments():
     def halve_after_5(state):
         return 1.0 if state.timestamp.batch.value < 5 else 0.5
@@ -177,6 +203,7 @@ def test_function_schedulers_with_one_and_two_arguments():
 
 # ---- 6. train_subset_num_batches ------------------------------------------------------------------
 
+
 def test_train_subset_num_batches_trains_the_first_n_batches_of_each_epoch():
     seen = []
 
@@ -187,8 +214,9 @@ def test_train_subset_num_batches_trains_the_first_n_batches_of_each_epoch():
 
     loader_first = [b[0][0, 0].item() for b in torch.utils.data.DataLoader(_data(), batch_size=4)]
     # 16 batches per epoch, 5 of them trained: 3 epochs are 15 batches, "1dur" = 15 batches.
-    trainer, lr = _fit(LinearScheduler(alpha_f=0.2), max_duration="3ep", train_subset_num_batches=5,
-                       callbacks=[Batches()])
+    trainer, lr = _fit(
+        LinearScheduler(alpha_f=0.2), max_duration="3ep", train_subset_num_batches=5, callbacks=[Batches()]
+    )
     assert trainer.state.timestamp.batch.value == 15 and trainer.state.timestamp.epoch.value == 3
     assert trainer.state.dataloader_len == 5
     assert [e for e, _ in seen] == [0] * 5 + [1] * 5 + [2] * 5
@@ -203,6 +231,7 @@ def test_train_subset_num_batches_trains_the_first_n_batches_of_each_epoch():
 
 
 # ---- 7. Composer's Time forms -----------------------------------------------------------------------
+
 
 def test_time_strings_take_digit_separators():
     assert Time.from_timestring("4_000tok") == Time(4000, TimeUnit.TOKEN)
@@ -227,7 +256,12 @@ def test_timestamp_copy_and_composer_advance_signatures():
     assert ts.batch.value == 10
     after = nxt.to_next_epoch(duration=datetime.timedelta(seconds=2))
     assert (after.epoch.value, after.batch_in_epoch.value, after.total_wct, after.epoch_wct, after.batch_wct) == (
-        2, 0, 5.5, 0.0, 0.0)
+        2,
+        0,
+        5.5,
+        0.0,
+        0.0,
+    )
     ts.advance_batch()  # Composer's defaults: 0 samples, 0 tokens, no duration
     ts.advance_batch(4, duration=None)
     ts.advance_epoch(datetime.timedelta(seconds=1))
@@ -238,8 +272,16 @@ def test_timestamp_copy_and_composer_advance_signatures():
 
 # ---- 8. a warmup schedule shorter than the run raises ---------------------------------------------------
 
-@pytest.mark.parametrize("cls", [LinearWithWarmupScheduler, ConstantWithWarmupScheduler,
-                                 CosineAnnealingWithWarmupScheduler, PolynomialWithWarmupScheduler])
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        LinearWithWarmupScheduler,
+        ConstantWithWarmupScheduler,
+        CosineAnnealingWithWarmupScheduler,
+        PolynomialWithWarmupScheduler,
+    ],
+)
 def test_warmup_t_max_shorter_than_max_duration_raises_at_fit_start(cls):
     with pytest.raises(ValueError, match=r"t_max=30ba ends at 30ba, before max_duration \(40ba\).*allow_short_t_max"):
         _fit(cls(t_warmup="5ba", t_max="30ba"), max_duration="40ba")
@@ -264,11 +306,13 @@ def test_allow_short_t_max_holds_the_final_value():
     sched = LinearWithWarmupScheduler(t_warmup="2ba", t_max="10ba", alpha_f=0.5, allow_short_t_max=True)
     _, lr = _fit(sched, max_duration="16ba")
     assert [lr[k] for k in range(1, 17)] == pytest.approx(
-        [BASE_LR * (k / 2 if k < 2 else 1 - 0.5 * min(1.0, (k - 2) / 8)) for k in range(1, 17)], rel=1e-12)
+        [BASE_LR * (k / 2 if k < 2 else 1 - 0.5 * min(1.0, (k - 2) / 8)) for k in range(1, 17)], rel=1e-12
+    )
     assert lr[16] == lr[10] == pytest.approx(BASE_LR * 0.5)
 
 
 # ---- 3. __value_type values are not guessed -----------------------------------------------------------
+
 
 def _built(argv, cfg=None):
     from kiln.config.build import build_value
@@ -355,8 +399,14 @@ def make_name(prefix: str, dim: int) -> str:
 
 
 def test_type_builds_a_string_field_with_a_function(tmp_path):
-    argv = ["--instance_name.__type", "test_peer_compat.make_name", "--instance_name.prefix", "exp",
-            "--instance_name.dim", "$(vars.dim)"]
+    argv = [
+        "--instance_name.__type",
+        "test_peer_compat.make_name",
+        "--instance_name.prefix",
+        "exp",
+        "--instance_name.dim",
+        "$(vars.dim)",
+    ]
     assert _yaml_args(tmp_path, argv).instance_name == "exp-32"
     text = NNSCALER_YAML + "checkpoint: {no_save: true, save_dir: {__value_type: str, value: '001'}}\n"
     assert _yaml_args(tmp_path, [], text).checkpoint.save_dir == "001"
@@ -368,8 +418,16 @@ def test_type_builds_a_string_field_with_a_function(tmp_path):
 
 
 def _strategy(world=4, pas_policy="autodist", **cc):
-    args = TrainerArgs.from_dict({"model": {"type": "m.M"}, "optimizer": {"type": "o.O"}, "dataset": {"type": "d.D"},
-                                  "max_epochs": 1, "pas_policy": pas_policy, "compute_config": cc})
+    args = TrainerArgs.from_dict(
+        {
+            "model": {"type": "m.M"},
+            "optimizer": {"type": "o.O"},
+            "dataset": {"type": "d.D"},
+            "max_epochs": 1,
+            "pas_policy": pas_policy,
+            "compute_config": cc,
+        }
+    )
     return args.compute_config.strategy_name(pas_policy, world), args.compute_config.mesh_degrees(pas_policy)
 
 
@@ -384,13 +442,16 @@ def test_pas_policy_builtin_names_map_to_kiln_strategies():
     assert _strategy(pas_policy="tp", strategy="fsdp", plan_ngpus=2)[0] == "fsdp"  # the strategy field wins
 
 
-@pytest.mark.parametrize(("policy", "cc", "path", "text"), [
-    ("pp", {"plan_ngpus": 2}, "pas_policy", "compute_config.pp N and compute_config.strategy_options.split_points"),
-    ("hybrid", {"plan_ngpus": 2}, "pas_policy", "set compute_config.tp and compute_config.pp"),
-    ("dp", {"plan_ngpus": 2}, "compute_config.plan_ngpus", "use pas_policy 'tp'"),
-    ("mypkg.my_policy", {}, "pas_policy", "kiln does not run policy functions: set compute_config.strategy"),
-    ("autodst", {}, "pas_policy", "(did you mean 'autodist'?)"),
-])
+@pytest.mark.parametrize(
+    ("policy", "cc", "path", "text"),
+    [
+        ("pp", {"plan_ngpus": 2}, "pas_policy", "compute_config.pp N and compute_config.strategy_options.split_points"),
+        ("hybrid", {"plan_ngpus": 2}, "pas_policy", "set compute_config.tp and compute_config.pp"),
+        ("dp", {"plan_ngpus": 2}, "compute_config.plan_ngpus", "use pas_policy 'tp'"),
+        ("mypkg.my_policy", {}, "pas_policy", "kiln does not run policy functions: set compute_config.strategy"),
+        ("autodst", {}, "pas_policy", "(did you mean 'autodist'?)"),
+    ],
+)
 def test_pas_policy_refusals_say_what_to_write(policy, cc, path, text):
     with pytest.raises(ConfigError) as info:
         _strategy(pas_policy=policy, **cc)

@@ -26,8 +26,9 @@ def _data(n: int) -> TensorDataset:
     return TensorDataset(torch.arange(n))  # a sample is its index
 
 
-def _shuffled(n: int = 20, batch_size: int = 4, seed: int = 7, num_replicas: int = 1, rank: int = 0,
-              subset: int | None = None) -> kiln.ResumableLoader:
+def _shuffled(
+    n: int = 20, batch_size: int = 4, seed: int = 7, num_replicas: int = 1, rank: int = 0, subset: int | None = None
+) -> kiln.ResumableLoader:
     data = _data(n)
     sampler = ResumableSampler(data, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
     return kiln.ResumableLoader(DataLoader(data, batch_size=batch_size, sampler=sampler), subset)
@@ -66,8 +67,11 @@ def test_state_round_trip_continues_the_shuffled_epoch_exactly():
     assert _take(iter(first), 3) == epoch0[:3]
     saved = _through_bytes(first.state_dict())
     assert {k: v for k, v in saved.items() if k != "rng"} == {
-        "epoch": 0, "batch_in_epoch": 3, "sample_in_epoch": 12,
-        "sampler": {"epoch": 0, "skip": 0, "seed": 7, "world_skip": 0}}
+        "epoch": 0,
+        "batch_in_epoch": 3,
+        "sample_in_epoch": 12,
+        "sampler": {"epoch": 0, "skip": 0, "seed": 7, "world_skip": 0},
+    }
     assert set(saved["rng"]) >= {"python", "torch"}  # mid-epoch: the RNG states to come back to
 
     resumed = _shuffled(seed=99)  # the saved sampler seed wins: the order is the saved run's
@@ -76,8 +80,13 @@ def test_state_round_trip_continues_the_shuffled_epoch_exactly():
     assert _indices(resumed) == epoch0[3:]  # the rest of the epoch, nothing replayed
     assert (resumed.epoch, resumed.batch_in_epoch, resumed.sampler.seed) == (1, 0, 7)
     assert _indices(resumed) == epoch1
-    assert resumed.state_dict() == {"epoch": 2, "batch_in_epoch": 0, "sample_in_epoch": 0,
-                                    "sampler": {"epoch": 1, "skip": 0, "seed": 7, "world_skip": 0}, "rng": None}
+    assert resumed.state_dict() == {
+        "epoch": 2,
+        "batch_in_epoch": 0,
+        "sample_in_epoch": 0,
+        "sampler": {"epoch": 1, "skip": 0, "seed": 7, "world_skip": 0},
+        "rng": None,
+    }
 
 
 def test_an_unfinished_iterator_leaves_the_epoch_unfinished():
@@ -244,8 +253,12 @@ def test_a_checkpoint_holds_the_loader_position_as_plain_data(tmp_path):
     path = save_checkpoint(tmp_path, state)
     saved = torch.load(path / training_state_file(0), weights_only=True)
     assert "sampler" not in saved  # the old key: its state is inside the loader's now
-    assert saved["dataloader"] == {"epoch": 1, "batch_in_epoch": 3, "sample_in_epoch": 24,
-                                   "sampler": {"epoch": 1, "skip": 0, "seed": 3, "world_skip": 0}}
+    assert saved["dataloader"] == {
+        "epoch": 1,
+        "batch_in_epoch": 3,
+        "sample_in_epoch": 24,
+        "sampler": {"epoch": 1, "skip": 0, "seed": 3, "world_skip": 0},
+    }
 
 
 def _uninterrupted(num_batches: int) -> dict:
@@ -281,9 +294,18 @@ def test_a_checkpoint_without_the_loader_key_still_resumes_exactly(tmp_path):
 
 def _legacy(batch_in_epoch: int, sample_in_epoch: int) -> dict:
     """A saved training state from before the loader's own: the position is the Timestamp's."""
-    return {"timestamp": {"epoch": 0, "batch": batch_in_epoch, "batch_in_epoch": batch_in_epoch,
-                          "sample": sample_in_epoch, "sample_in_epoch": sample_in_epoch},
-            "schedulers": [], "rng": rng_state(), "sampler": None}
+    return {
+        "timestamp": {
+            "epoch": 0,
+            "batch": batch_in_epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "sample": sample_in_epoch,
+            "sample_in_epoch": sample_in_epoch,
+        },
+        "schedulers": [],
+        "rng": rng_state(),
+        "sampler": None,
+    }
 
 
 def test_an_old_checkpoint_on_the_same_world_skips_each_ranks_own_batches():
@@ -301,8 +323,11 @@ def test_an_old_checkpoint_on_another_world_deals_the_rest_from_the_timestamps_s
     n, seed = 25, 5
     order = _global_order(n, seed)
     state = kiln.State(nn.Linear(1, 1))
-    state.dataloader = DataLoader(_data(n), batch_size=3,  # not a ResumableLoader yet: the load wraps it
-                                  sampler=ResumableSampler(_data(n), num_replicas=3, rank=2, shuffle=True, seed=seed))
+    state.dataloader = DataLoader(
+        _data(n),
+        batch_size=3,  # not a ResumableLoader yet: the load wraps it
+        sampler=ResumableSampler(_data(n), num_replicas=3, rank=2, shuffle=True, seed=seed),
+    )
     # saved by 2 ranks after 2 batches of 2: the Trainer's Timestamp counted both ranks' samples
     restore_training_state(state, _legacy(2, 8), "old.pt", restore_rng=False, same_world=False)
     assert isinstance(state.dataloader, kiln.ResumableLoader) and state.dataloader.sample_in_epoch == 8
@@ -312,8 +337,15 @@ def test_an_old_checkpoint_on_another_world_deals_the_rest_from_the_timestamps_s
 def _trainer(loader=None, **kwargs) -> kiln.Trainer:
     kiln.seed_everything(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.3), nn.Linear(8, 2))
-    return kiln.Trainer(model, train_dataloader=loader, optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-                        criterion=nn.CrossEntropyLoss(), seed=3, progress_bar=False, **kwargs)
+    return kiln.Trainer(
+        model,
+        train_dataloader=loader,
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        seed=3,
+        progress_bar=False,
+        **kwargs,
+    )
 
 
 def _shuffled_pairs() -> DataLoader:

@@ -26,8 +26,9 @@ RUN = WORKERS / "resume_trainer.py"
 
 def _launch(out, *args, nproc=2):
     if nproc == 1:
-        return subprocess.run([sys.executable, str(RUN), str(out), *args], env=base_env(), capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, str(RUN), str(out), *args], env=base_env(), capture_output=True, text=True, timeout=600
+        )
     return kiln_run(RUN, str(out), *args, nproc=nproc, timeout=600)
 
 

@@ -20,10 +20,14 @@ def _seen(out, attempt, world):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("first, then, die_after, consumed, padding", [
-    (2, 1, 4, 18, 0),   # 2 ranks x 3 batches x 3 samples consumed; the rest (32) on one rank
-    (1, 2, 4, 9, 1),    # 9 consumed: the other 41 dealt over 2 ranks, padded with one repeat
-], ids=["2-to-1-rank", "1-to-2-ranks"])
+@pytest.mark.parametrize(
+    "first, then, die_after, consumed, padding",
+    [
+        (2, 1, 4, 18, 0),  # 2 ranks x 3 batches x 3 samples consumed; the rest (32) on one rank
+        (1, 2, 4, 9, 1),  # 9 consumed: the other 41 dealt over 2 ranks, padded with one repeat
+    ],
+    ids=["2-to-1-rank", "1-to-2-ranks"],
+)
 def test_resume_on_another_world_size_covers_the_epoch_once(tmp_path, first, then, die_after, consumed, padding):
     died = kiln_run(RUN, str(tmp_path), "--die-after", str(die_after), nproc=first)
     assert died.returncode != 0

@@ -61,6 +61,7 @@ def cos_anneal(frac, alpha_f=0.0):
 
 # ---- plain schedulers --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("ssr", "end"), [(1.0, 4), (0.5, 2), (2.0, 8)])
 def test_constant(ssr, end):
     got = curve(ConstantScheduler(alpha=0.5, t_max="4ba"), make_state("10ba"), range(12), ssr=ssr)
@@ -97,7 +98,7 @@ def test_multistep_dur_milestones_in_epochs(ssr, milestones):
 def test_multistep_dur_milestones_in_batches():
     sched = MultiStepScheduler(milestones=["0.3dur", "0.5dur", "0.9dur"], gamma=0.1)
     got = curve(sched, make_state("1000ba"), [0, 299, 300, 499, 500, 899, 900, 1000])
-    assert got == [1.0, 1.0, 0.1, 0.1, 0.1 ** 2, 0.1 ** 2, 0.1 ** 3, 0.1 ** 3]
+    assert got == [1.0, 1.0, 0.1, 0.1, 0.1**2, 0.1**2, 0.1**3, 0.1**3]
 
 
 def test_multistep_mixed_units():
@@ -119,15 +120,17 @@ def test_exponential_default_period_is_one_epoch():
 
 @pytest.mark.parametrize("ssr", [1.0, 0.5, 2.0])
 def test_linear(ssr):
-    got = curve(LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max="1dur"), make_state(f"{int(100 * ssr)}ba"), BATCHES,
-                ssr=ssr)
+    got = curve(
+        LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max="1dur"), make_state(f"{int(100 * ssr)}ba"), BATCHES, ssr=ssr
+    )
     assert got == [1.0 + min(1.0, b / (100 * ssr)) * (0.1 - 1.0) for b in BATCHES]
 
 
 @pytest.mark.parametrize("ssr", [1.0, 0.5, 2.0])
 def test_cosine_in_batches(ssr):
-    got = curve(CosineAnnealingScheduler(t_max="1dur", alpha_f=0.05), make_state(f"{int(100 * ssr)}ba"), BATCHES,
-                ssr=ssr)
+    got = curve(
+        CosineAnnealingScheduler(t_max="1dur", alpha_f=0.05), make_state(f"{int(100 * ssr)}ba"), BATCHES, ssr=ssr
+    )
     assert got == [cos_anneal(min(1.0, b / (100 * ssr)), 0.05) for b in BATCHES]
 
 
@@ -153,9 +156,15 @@ def test_cosine_on_wall_clock():
     assert out == [cos_anneal(min(1.0, k * 900.0 / 3600.0)) for k in range(1, 6)]
 
 
-@pytest.mark.parametrize(("t_mult", "ssr", "cycles"), [
-    (1.0, 1.0, [10] * 20), (2.0, 1.0, [10, 20, 40, 80]), (2.0, 2.0, [20, 40, 80]), (1.5, 0.5, [5, 7, 10, 15, 22, 33]),
-])
+@pytest.mark.parametrize(
+    ("t_mult", "ssr", "cycles"),
+    [
+        (1.0, 1.0, [10] * 20),
+        (2.0, 1.0, [10, 20, 40, 80]),
+        (2.0, 2.0, [20, 40, 80]),
+        (1.5, 0.5, [5, 7, 10, 15, 22, 33]),
+    ],
+)
 def test_cosine_warm_restarts(t_mult, ssr, cycles):
     def expected(b):
         start = 0.0
@@ -179,14 +188,21 @@ def test_polynomial(ssr):
 
 # ---- warmup forms ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("ssr", "scale_warmup", "warm", "t_max"), [
-    (1.0, False, 10, 100), (2.0, False, 10, 200), (0.5, False, 10, 50), (2.0, True, 20, 200), (0.5, True, 5, 50),
-])
+
+@pytest.mark.parametrize(
+    ("ssr", "scale_warmup", "warm", "t_max"),
+    [
+        (1.0, False, 10, 100),
+        (2.0, False, 10, 200),
+        (0.5, False, 10, 50),
+        (2.0, True, 20, 200),
+        (0.5, True, 5, 50),
+    ],
+)
 def test_linear_with_warmup(ssr, scale_warmup, warm, t_max):
     sched = LinearWithWarmupScheduler(t_warmup="10ba", alpha_i=1.0, alpha_f=0.2, scale_warmup=scale_warmup)
     got = curve(sched, make_state(f"{t_max}ba"), BATCHES, ssr=ssr)  # the Trainer's max_duration: 100ba * ssr
-    assert got == [b / warm if b < warm else 1.0 + min(1.0, (b - warm) / (t_max - warm)) * (0.2 - 1.0)
-                   for b in BATCHES]
+    assert got == [b / warm if b < warm else 1.0 + min(1.0, (b - warm) / (t_max - warm)) * (0.2 - 1.0) for b in BATCHES]
 
 
 def test_linear_with_warmup_ramps_to_alpha_i():
@@ -196,22 +212,28 @@ def test_linear_with_warmup_ramps_to_alpha_i():
 
 @pytest.mark.parametrize("ssr", [1.0, 2.0])
 def test_constant_with_warmup(ssr):
-    got = curve(ConstantWithWarmupScheduler(t_warmup="4ba", alpha=0.5), make_state(f"{int(20 * ssr)}ba"), range(30),
-                ssr=ssr)
+    got = curve(
+        ConstantWithWarmupScheduler(t_warmup="4ba", alpha=0.5), make_state(f"{int(20 * ssr)}ba"), range(30), ssr=ssr
+    )
     assert got == [b / 4 * 0.5 if b < 4 else 0.5 for b in range(30)]
 
 
-@pytest.mark.parametrize(("ssr", "scale_warmup", "warm", "t_max"), [
-    (1.0, False, 10, 100), (2.0, False, 20, 200), (0.5, False, 5, 50), (2.0, True, 20, 200),
-])
+@pytest.mark.parametrize(
+    ("ssr", "scale_warmup", "warm", "t_max"),
+    [
+        (1.0, False, 10, 100),
+        (2.0, False, 20, 200),
+        (0.5, False, 5, 50),
+        (2.0, True, 20, 200),
+    ],
+)
 def test_cosine_with_warmup_dur_warmup_epoch_run(ssr, scale_warmup, warm, t_max):
     # 0.1dur of the scaled run (10ep * ssr, 10 batches per epoch): a `dur` warmup is a fraction of
     # the run the Trainer scaled, so it follows the ratio whatever scale_warmup says (Composer).
     sched = CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur", alpha_f=0.1, scale_warmup=scale_warmup)
     state = make_state(f"{int(10 * ssr)}ep", dataloader_len=10)
     got = curve(sched, state, BATCHES, per_epoch=10, ssr=ssr)
-    assert got == [b / warm if b < warm else cos_anneal(min(1.0, (b - warm) / (t_max - warm)), 0.1)
-                   for b in BATCHES]
+    assert got == [b / warm if b < warm else cos_anneal(min(1.0, (b - warm) / (t_max - warm)), 0.1) for b in BATCHES]
 
 
 def test_cosine_with_warmup_in_epochs():
@@ -220,23 +242,28 @@ def test_cosine_with_warmup_in_epochs():
     assert got == [0.0 if b < 3 else cos_anneal(min(1.0, (b // 3 - 1) / 9)) for b in range(0, 40)]
 
 
-@pytest.mark.parametrize(("ssr", "scale_warmup", "warm", "t_max"), [
-    (1.0, False, 100, 1000), (2.0, False, 100, 2000), (0.5, True, 50, 500),
-])
+@pytest.mark.parametrize(
+    ("ssr", "scale_warmup", "warm", "t_max"),
+    [
+        (1.0, False, 100, 1000),
+        (2.0, False, 100, 2000),
+        (0.5, True, 50, 500),
+    ],
+)
 def test_polynomial_with_warmup(ssr, scale_warmup, warm, t_max):
     sched = PolynomialWithWarmupScheduler(t_warmup="100ba", power=2.0, alpha_f=0.0, scale_warmup=scale_warmup)
     batches = list(range(0, 2101, 50)) + [1, 49, 99, 101]
     got = curve(sched, make_state(f"{t_max}ba"), sorted(batches), ssr=ssr)
-    assert got == [b / warm if b < warm else (1 - min(1.0, (b - warm) / (t_max - warm))) ** 2.0
-                   for b in sorted(batches)]
+    assert got == [
+        b / warm if b < warm else (1 - min(1.0, (b - warm) / (t_max - warm))) ** 2.0 for b in sorted(batches)
+    ]
 
 
 @pytest.mark.parametrize(("ssr", "milestones"), [(1.0, [4, 8]), (2.0, [8, 16]), (0.5, [2, 4])])
 def test_multistep_with_warmup(ssr, milestones):
     sched = MultiStepWithWarmupScheduler(t_warmup="2ep", milestones=["4ep", "0.8dur"], gamma=0.1)
     got = curve(sched, make_state(f"{int(10 * ssr)}ep"), range(0, 60), per_epoch=3, ssr=ssr)
-    assert got == [(b // 3) / 2 if b // 3 < 2 else 0.1 ** sum((b // 3) >= m for m in milestones)
-                   for b in range(0, 60)]
+    assert got == [(b // 3) / 2 if b // 3 < 2 else 0.1 ** sum((b // 3) >= m for m in milestones) for b in range(0, 60)]
 
 
 def test_zero_warmup_is_skipped():
@@ -254,6 +281,7 @@ def test_warmup_and_t_max_in_different_units_need_dataloader_len():
 
 
 # ---- contract ----------------------------------------------------------------------------------
+
 
 def test_stateless_resume_gives_the_same_multiplier():
     sched = CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur")

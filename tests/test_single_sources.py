@@ -30,20 +30,27 @@ def _assigned_names(path: Path) -> set[str]:
     """Names bound by module-level assignments in ``path``."""
     names = set()
     for node in ast.parse(path.read_text()).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
         names.update(t.id for t in targets if isinstance(t, ast.Name))
     return names
 
 
-@pytest.mark.parametrize("name, home", [
-    ("SAVE_TYPES", "checkpoint/formats.py"),
-    ("PRECISIONS", "precision.py"),
-    ("DTYPES", "precision.py"),
-    ("TENSOR_TYPES", "precision.py"),
-])
+@pytest.mark.parametrize(
+    "name, home",
+    [
+        ("SAVE_TYPES", "checkpoint/formats.py"),
+        ("PRECISIONS", "precision.py"),
+        ("DTYPES", "precision.py"),
+        ("TENSOR_TYPES", "precision.py"),
+    ],
+)
 def test_each_constant_is_defined_once(name, home):
     """No second definition under another (or the same, private) name: the copies this replaced."""
-    spellings = {name, f"_{name}", "PRECISION_NAMES", "TENSOR_PRECISIONS"} if name != "SAVE_TYPES" else {name, f"_{name}"}
+    spellings = (
+        {name, f"_{name}", "PRECISION_NAMES", "TENSOR_PRECISIONS"} if name != "SAVE_TYPES" else {name, f"_{name}"}
+    )
     defined = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if _assigned_names(p) & spellings)
     assert defined == [home]
 
@@ -93,26 +100,32 @@ def test_one_dtype_map():
     assert offline.DTYPES is kiln.precision.DTYPES and trainer_builder.DTYPES is kiln.precision.DTYPES
 
 
-@pytest.mark.parametrize("spec, param, buffer, inputs", [
-    ({"param": "bf16"}, torch.bfloat16, None, None),
-    ({"param": "bfloat16", "input": "none"}, torch.bfloat16, None, None),
-    ({"buffer": "fp32", "input": "fp16"}, None, torch.float32, torch.float16),
-])
+@pytest.mark.parametrize(
+    "spec, param, buffer, inputs",
+    [
+        ({"param": "bf16"}, torch.bfloat16, None, None),
+        ({"param": "bfloat16", "input": "none"}, torch.bfloat16, None, None),
+        ({"buffer": "fp32", "input": "fp16"}, None, torch.float32, torch.float16),
+    ],
+)
 def test_config_per_tensor_precision(spec, param, buffer, inputs):
     precision = trainer_builder.build_precision(spec)
     assert (precision.param_dtype, precision.buffer_dtype, precision.input_dtype) == (param, buffer, inputs)
     assert precision.scaled is False
 
 
-@pytest.mark.parametrize("name, fields", [
-    ("fp32", (None, None, None, None, False)),
-    ("amp_bf16", (None, None, None, torch.bfloat16, False)),
-    ("amp_fp16", (None, None, None, torch.float16, True)),
-    ("bf16", (torch.bfloat16, torch.bfloat16, torch.bfloat16, None, False)),
-    ("fp16", (torch.float16, torch.float16, torch.float16, None, True)),
-    ("amp", (None, None, None, torch.float16, True)),
-    ("float32", (None, None, None, None, False)),
-])
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("fp32", (None, None, None, None, False)),
+        ("amp_bf16", (None, None, None, torch.bfloat16, False)),
+        ("amp_fp16", (None, None, None, torch.float16, True)),
+        ("bf16", (torch.bfloat16, torch.bfloat16, torch.bfloat16, None, False)),
+        ("fp16", (torch.float16, torch.float16, torch.float16, None, True)),
+        ("amp", (None, None, None, torch.float16, True)),
+        ("float32", (None, None, None, None, False)),
+    ],
+)
 def test_named_precisions(name, fields):
     p = kiln.precision.get_precision(name)
     assert (p.param_dtype, p.buffer_dtype, p.input_dtype, p.autocast_dtype, p.scaled) == fields
@@ -141,20 +154,23 @@ def test_one_num_samples():
 X, Y = torch.zeros(8, 3), torch.zeros(8)
 
 
-@pytest.mark.parametrize("batch, expected", [
-    ((X, Y), 8),                                     # (inputs, targets)
-    ([X, Y], 8),
-    (X, 8),                                          # a bare tensor
-    (torch.tensor(3.0), 1),                          # a 0-dim tensor is one sample
-    ({"input_ids": torch.zeros(4, 16), "labels": torch.zeros(4)}, 4),
-    ({"id": ["a", "b"], "x": X}, 8),                 # non-tensor leaves are passed over
-    (("name", X), 8),
-    ((torch.tensor(0.5), X), 8),                     # so are 0-dim tensors, while a later tensor has rows
-    ({"temperature": torch.tensor(0.5), "x": X}, 8),
-    ((torch.tensor(1.0), torch.tensor(2.0)), 1),     # only 0-dim tensors: one sample
-    ({"inputs": {"pixels": torch.zeros(5, 3)}, "y": torch.zeros(5)}, 5),  # nested, depth first
-    (((X, Y), torch.zeros(2)), 8),
-])
+@pytest.mark.parametrize(
+    "batch, expected",
+    [
+        ((X, Y), 8),  # (inputs, targets)
+        ([X, Y], 8),
+        (X, 8),  # a bare tensor
+        (torch.tensor(3.0), 1),  # a 0-dim tensor is one sample
+        ({"input_ids": torch.zeros(4, 16), "labels": torch.zeros(4)}, 4),
+        ({"id": ["a", "b"], "x": X}, 8),  # non-tensor leaves are passed over
+        (("name", X), 8),
+        ((torch.tensor(0.5), X), 8),  # so are 0-dim tensors, while a later tensor has rows
+        ({"temperature": torch.tensor(0.5), "x": X}, 8),
+        ((torch.tensor(1.0), torch.tensor(2.0)), 1),  # only 0-dim tensors: one sample
+        ({"inputs": {"pixels": torch.zeros(5, 3)}, "y": torch.zeros(5)}, 5),  # nested, depth first
+        (((X, Y), torch.zeros(2)), 8),
+    ],
+)
 def test_num_samples(batch, expected):
     assert num_samples(batch) == expected
     assert type(num_samples(batch)) is int
@@ -203,9 +219,19 @@ def test_no_import_cycle_in_kiln_optim():
         assert not any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body), name
 
 
-COLOSSAL_NAMES = ["CosineAnnealingLR", "CosineAnnealingWarmupLR", "ExponentialLR", "FlatAnnealingLR",
-                  "FlatAnnealingWarmupLR", "LinearWarmupLR", "MultiStepLR", "MultiStepWarmupLR", "OneCycleLR",
-                  "PolynomialLR", "PolynomialWarmupLR"]
+COLOSSAL_NAMES = [
+    "CosineAnnealingLR",
+    "CosineAnnealingWarmupLR",
+    "ExponentialLR",
+    "FlatAnnealingLR",
+    "FlatAnnealingWarmupLR",
+    "LinearWarmupLR",
+    "MultiStepLR",
+    "MultiStepWarmupLR",
+    "OneCycleLR",
+    "PolynomialLR",
+    "PolynomialWarmupLR",
+]
 
 
 def test_colossal_names_importable_as_before():

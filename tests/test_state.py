@@ -23,7 +23,9 @@ def test_every_field_is_typed_and_has_a_one_line_docstring():
     for node, after in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign):
             name = node.target.id
-            assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant), f"State.{name} has no docstring"
+            assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant), (
+                f"State.{name} has no docstring"
+            )
             assert "\n" not in after.value.value, f"State.{name}'s docstring is longer than a line"
             documented.add(name)
     assert documented == FIELDS
@@ -38,7 +40,9 @@ def test_an_undeclared_attribute_is_refused():
 
 def _is_state(node: ast.expr) -> bool:
     """``state``, ``self.state``, ``trainer.state``: the names kiln gives a State."""
-    return (isinstance(node, ast.Name) and node.id == "state") or (isinstance(node, ast.Attribute) and node.attr == "state")
+    return (isinstance(node, ast.Name) and node.id == "state") or (
+        isinstance(node, ast.Attribute) and node.attr == "state"
+    )
 
 
 def _written(node: ast.AST):
@@ -50,8 +54,13 @@ def _written(node: ast.AST):
         targets = [node.target]
     elif isinstance(node, ast.Delete):
         targets = list(node.targets)
-    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
-          and node.args and _is_state(node.args[0])):
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("setattr", "delattr")
+        and node.args
+        and _is_state(node.args[0])
+    ):
         name = node.args[1]
         yield (name.value if isinstance(name, ast.Constant) else f"<{ast.unparse(name)}>"), node.lineno
     while targets:

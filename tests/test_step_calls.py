@@ -62,8 +62,9 @@ def test_the_counter_sees_host_reads_collectives_and_store_operations():
         torch.ones(2) * 2  # no read
     setup, first, second = calls.per_step()
     me = "test_step_calls.py (test_the_counter_sees_host_reads_collectives_and_store_operations)"
-    assert where(first["host_reads"]) == [f"{read} at {me}" for read in
-                                         ("__float__", "item", "tolist", "__bool__", "__int__", "__format__", "numpy")]
+    assert where(first["host_reads"]) == [
+        f"{read} at {me}" for read in ("__float__", "item", "tolist", "__bool__", "__int__", "__format__", "numpy")
+    ]
     assert first["collectives"] == {"c10d::allreduce_": 1, "c10d::barrier": 1}
     assert where(first["python_collectives"]) == [f"all_reduce at {me}", f"barrier at {me}"]
     assert where(first["store_ops"]) == [f"set at {me}"]
@@ -74,8 +75,13 @@ def test_the_counter_sees_host_reads_collectives_and_store_operations():
 # -- the progress bar -------------------------------------------------------------------------------
 def _epoch(bar: ProgressBar, batches: int = 6) -> list[dict]:
     """Run one epoch of ``batches`` through ``bar`` (redrawing on every batch); the host reads per batch."""
-    state = SimpleNamespace(max_duration=Time(batches, TimeUnit.BATCH), timestamp=Timestamp(), dataloader_len=batches,
-                            loss=torch.tensor(0.75), lr=0.1)
+    state = SimpleNamespace(
+        max_duration=Time(batches, TimeUnit.BATCH),
+        timestamp=Timestamp(),
+        dataloader_len=batches,
+        loss=torch.tensor(0.75),
+        lr=0.1,
+    )
     with step_calls.StepCalls() as calls:
         bar.start_epoch(state)
         if bar._bar is not None:
@@ -129,15 +135,32 @@ def ddp_collectives(step: int | str) -> dict[str, int]:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(240)
 def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tmp_path):
-    check(kiln_run(ROOT / "benchmarks" / "step_calls.py", "--out", str(tmp_path), "--steps", str(STEPS),
-                   "--epoch-batches", str(EPOCH_BATCHES), "--log-interval", str(LOG_INTERVAL), timeout=200))
+    check(
+        kiln_run(
+            ROOT / "benchmarks" / "step_calls.py",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            str(STEPS),
+            "--epoch-batches",
+            str(EPOCH_BATCHES),
+            "--log-interval",
+            str(LOG_INTERVAL),
+            timeout=200,
+        )
+    )
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         raw, engine, trainer = (result["loops"][name] for name in ("raw", "engine", "trainer"))
         assert [entry["step"] for entry in raw] == ["setup", *range(1, STEPS + 1)]
         for entry in raw:
-            assert entry == {"step": entry["step"], "collectives": ddp_collectives(entry["step"]),
-                             "python_collectives": [], "store_ops": [], "host_reads": []}, f"rank {rank}, raw"
+            assert entry == {
+                "step": entry["step"],
+                "collectives": ddp_collectives(entry["step"]),
+                "python_collectives": [],
+                "store_ops": [],
+                "host_reads": [],
+            }, f"rank {rank}, raw"
         assert engine == raw, f"rank {rank}: the Engine loop differs from the raw loop"
 
         assert [entry["step"] for entry in trainer] == ["setup", *range(1, STEPS + 1)]
@@ -157,7 +180,8 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
                 reads.append("__float__ at kiln/trainer/progress.py (_loss)")
             assert entry["collectives"] == collectives, f"rank {rank}, trainer step {step}: {entry}"
             assert where(entry["python_collectives"]) == (
-                ["all_reduce at kiln/trainer/trainer.py (_log_train)"] if logs else []), f"rank {rank}, step {step}"
+                ["all_reduce at kiln/trainer/trainer.py (_log_train)"] if logs else []
+            ), f"rank {rank}, step {step}"
             assert sorted(where(entry["host_reads"])) == sorted(reads), f"rank {rank}, trainer step {step}"
             assert entry["store_ops"] == [], f"rank {rank}, trainer step {step}"
 
@@ -167,6 +191,10 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
             assert "loss=" in result["bar"]
             logged = [json.loads(line)["step"] for line in result["logged"].splitlines()]
             assert logged == [4, 8, 12]
-            assert [line.split("]")[0] for line in result["console"].splitlines()] == ["[batch 4", "[batch 8", "[batch 12"]
+            assert [line.split("]")[0] for line in result["console"].splitlines()] == [
+                "[batch 4",
+                "[batch 8",
+                "[batch 12",
+            ]
         else:
             assert not result["bar_enabled"] and result["bar"] == "" and result["console"] == ""

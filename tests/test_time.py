@@ -127,7 +127,9 @@ def test_hashable():
     assert hash(Time(3, TimeUnit.EPOCH)) == hash(Time(3, TimeUnit.EPOCH))
     assert hash(Time(3, TimeUnit.EPOCH)) == hash(3)
     assert {Time(3, TimeUnit.EPOCH), Time(3, TimeUnit.EPOCH), Time(3, TimeUnit.BATCH)} == {
-        Time(3, TimeUnit.EPOCH), Time(3, TimeUnit.BATCH)}
+        Time(3, TimeUnit.EPOCH),
+        Time(3, TimeUnit.BATCH),
+    }
     assert pickle.loads(pickle.dumps(Time(4, TimeUnit.TOKEN))) == Time(4, TimeUnit.TOKEN)
 
 
@@ -175,9 +177,15 @@ def test_resolve_fraction():
 
 def test_timestamp_starts_at_zero_and_properties_are_time():
     ts = Timestamp()
-    for name, unit in [("epoch", TimeUnit.EPOCH), ("batch", TimeUnit.BATCH), ("sample", TimeUnit.SAMPLE),
-                       ("token", TimeUnit.TOKEN), ("batch_in_epoch", TimeUnit.BATCH),
-                       ("sample_in_epoch", TimeUnit.SAMPLE), ("token_in_epoch", TimeUnit.TOKEN)]:
+    for name, unit in [
+        ("epoch", TimeUnit.EPOCH),
+        ("batch", TimeUnit.BATCH),
+        ("sample", TimeUnit.SAMPLE),
+        ("token", TimeUnit.TOKEN),
+        ("batch_in_epoch", TimeUnit.BATCH),
+        ("sample_in_epoch", TimeUnit.SAMPLE),
+        ("token_in_epoch", TimeUnit.TOKEN),
+    ]:
         value = getattr(ts, name)
         assert value == Time(0, unit) and value.unit is unit and type(value.value) is int
     assert (ts.total_wct, ts.epoch_wct, ts.batch_wct) == (0.0, 0.0, 0.0)
@@ -220,8 +228,18 @@ def test_timestamp_state_dict_round_trip_and_copy():
     ts.advance_epoch()
     ts.advance_batch(samples=5, tokens=7, duration=0.125)
     sd = ts.state_dict()
-    assert sd == {"epoch": 1, "batch": 4, "sample": 20, "token": 28, "batch_in_epoch": 1, "sample_in_epoch": 5,
-                  "token_in_epoch": 7, "total_wct": 0.5, "epoch_wct": 0.125, "batch_wct": 0.125}
+    assert sd == {
+        "epoch": 1,
+        "batch": 4,
+        "sample": 20,
+        "token": 28,
+        "batch_in_epoch": 1,
+        "sample_in_epoch": 5,
+        "token_in_epoch": 7,
+        "total_wct": 0.5,
+        "epoch_wct": 0.125,
+        "batch_wct": 0.125,
+    }
     assert all(type(v) in (int, float) for v in sd.values())
     restored = Timestamp()
     restored.load_state_dict(sd)

@@ -28,8 +28,11 @@ LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("value", [0, -5, timedelta(0), "600", True, float("nan"), float("inf")],
-                         ids=["zero", "negative", "zero-timedelta", "string", "bool", "nan", "inf"])
+@pytest.mark.parametrize(
+    "value",
+    [0, -5, timedelta(0), "600", True, float("nan"), float("inf")],
+    ids=["zero", "negative", "zero-timedelta", "string", "bool", "nan", "inf"],
+)
 @pytest.mark.parametrize("name", LAUNCHERS)
 def test_bad_timeouts_are_refused_naming_the_value(name, value):
     with pytest.raises(ValueError, match=re.escape(f"timeout={value!r}")):
@@ -47,8 +50,9 @@ def test_config_cli_timeout_is_checked_and_reaches_the_launcher(tmp_path, monkey
     from kiln.config import ComputeConfig
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "run.yaml").write_text("model: {type: torch.nn.Linear, args: {in_features: 2, out_features: 1}}\n"
-                                       "compute_config: {timeout: 0}\n")
+    (tmp_path / "run.yaml").write_text(
+        "model: {type: torch.nn.Linear, args: {in_features: 2, out_features: 1}}\ncompute_config: {timeout: 0}\n"
+    )
     assert main(["train", "-f", "run.yaml", "--print-config"]) == 2
     assert "compute_config.timeout: got 0" in capsys.readouterr().err
     assert ComputeConfig().timeout == 600
@@ -90,8 +94,10 @@ def test_two_ranks_the_other_did_not_arrive(store):
     _peer(store, 1, "BATCH_START (batch 5)")
     error = beat.timed_out()
     assert isinstance(error, CollectiveTimeout) and error.missing == [1]
-    assert str(error) == ("kiln: rank 1 did not arrive within 20 s; last events: "
-                          "rank 0 BEFORE_BACKWARD (batch 5), rank 1 BATCH_START (batch 5)")
+    assert str(error) == (
+        "kiln: rank 1 did not arrive within 20 s; last events: "
+        "rank 0 BEFORE_BACKWARD (batch 5), rank 1 BATCH_START (batch 5)"
+    )
     assert json.loads(store.get(_KEY.format(0)))["waiting"] is True
 
 
@@ -102,8 +108,10 @@ def test_larger_worlds_name_the_ranks_that_are_not_waiting(store):
     _peer(store, 1, "AFTER_FORWARD (batch 3)")
     error = beat.timed_out()  # rank 3 never published
     assert error.missing == [1, 3]
-    assert str(error).startswith("kiln: ranks 1, 3 did not arrive within 0.8 s; last events: rank 0 BEFORE_BACKWARD "
-                                 "(batch 3), rank 1 AFTER_FORWARD (batch 3), rank 2 no kiln event yet, rank 3 no heartbeat")
+    assert str(error).startswith(
+        "kiln: ranks 1, 3 did not arrive within 0.8 s; last events: rank 0 BEFORE_BACKWARD "
+        "(batch 3), rank 1 AFTER_FORWARD (batch 3), rank 2 no kiln event yet, rank 3 no heartbeat"
+    )
 
 
 def test_only_c10d_timeouts_are_explained():
@@ -115,20 +123,24 @@ def test_only_c10d_timeouts_are_explained():
 
 # -- a real stuck rank ----------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("loop, timeout, events", [
-    ("trainer", 20, r"rank 0 [A-Z_]+ \(batch 5\), rank 1 BATCH_START \(batch 5\)"),
-    ("engine", 5, r"rank 0 Engine\.\w+ \(step 5\), rank 1 Engine\.optimizer_step \(step 4\)"),
-], ids=["trainer", "engine"])
+@pytest.mark.parametrize(
+    "loop, timeout, events",
+    [
+        ("trainer", 20, r"rank 0 [A-Z_]+ \(batch 5\), rank 1 BATCH_START \(batch 5\)"),
+        ("engine", 5, r"rank 0 Engine\.\w+ \(step 5\), rank 1 Engine\.optimizer_step \(step 4\)"),
+    ],
+    ids=["trainer", "engine"],
+)
 def test_a_rank_that_stops_is_named_within_the_timeout(loop, timeout, events):
     """Rank 1 sleeps at batch 5; the job ends within the timeout and a little, failed, with one line
     naming rank 1 and each rank's last event: raised by the Trainer, printed for a plain Engine loop.
     The job runs in its own process group, killed whole if it outlives the test's patience (torchrun
     would otherwise leave the sleeping rank behind)."""
-    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(WORKERS / "stuck_rank.py"), str(timeout),
-           loop]
+    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(WORKERS / "stuck_rank.py"), str(timeout), loop]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=90)
     finally:

@@ -31,28 +31,63 @@ class Recorder(kiln.Callback):
 
 def _trainer(**kw):
     model = kw.pop("model", None) or _mlp()
-    args = dict(train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
-                optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                progress_bar=False)
+    args = dict(
+        train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+    )
     args.update(kw)
     return kiln.Trainer(model, **args)
 
 
 def test_event_order_two_epochs_with_eval_accumulation_and_checkpoints(tmp_path):
     rec = Recorder()
-    trainer = _trainer(train_dataloader=torch.utils.data.DataLoader(_data(32), batch_size=16),
-                       eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=16),
-                       max_duration="2ep", grad_accum=2, callbacks=[rec])
+    trainer = _trainer(
+        train_dataloader=torch.utils.data.DataLoader(_data(32), batch_size=16),
+        eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=16),
+        max_duration="2ep",
+        grad_accum=2,
+        callbacks=[rec],
+    )
     trainer.fit()
-    micro = [Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
-             Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD]
-    batch = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-             *micro, *micro, Event.AFTER_TRAIN_BATCH, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END,
-             Event.BATCH_CHECKPOINT]
-    evaluation = [Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
-                  Event.EVAL_BATCH_END, Event.EVAL_END]
-    epoch = [Event.EPOCH_START, *batch, *batch, Event.BEFORE_DATALOADER, Event.EPOCH_END, *evaluation,
-             Event.EPOCH_CHECKPOINT]
+    micro = [
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+    ]
+    batch = [
+        Event.BEFORE_DATALOADER,
+        Event.AFTER_DATALOADER,
+        Event.BATCH_START,
+        Event.BEFORE_TRAIN_BATCH,
+        *micro,
+        *micro,
+        Event.AFTER_TRAIN_BATCH,
+        Event.BEFORE_OPTIMIZER_STEP,
+        Event.BATCH_END,
+        Event.BATCH_CHECKPOINT,
+    ]
+    evaluation = [
+        Event.EVAL_START,
+        Event.EVAL_BATCH_START,
+        Event.EVAL_BEFORE_FORWARD,
+        Event.EVAL_AFTER_FORWARD,
+        Event.EVAL_BATCH_END,
+        Event.EVAL_END,
+    ]
+    epoch = [
+        Event.EPOCH_START,
+        *batch,
+        *batch,
+        Event.BEFORE_DATALOADER,
+        Event.EPOCH_END,
+        *evaluation,
+        Event.EPOCH_CHECKPOINT,
+    ]
     assert rec.events == [Event.INIT, Event.FIT_START, *epoch, *epoch, Event.FIT_END]
 
 
@@ -64,9 +99,16 @@ def test_load_events_fire_when_loading(tmp_path):
     assert rec.events[:3] == [Event.INIT, Event.BEFORE_LOAD, Event.AFTER_LOAD]
 
 
-@pytest.mark.parametrize("duration,batches,epochs,samples", [
-    ("3ep", 12, 3, 192), (2, 8, 2, 128), ("6ba", 6, 1, 96), ("100sp", 7, 1, 112), ("1ep", 4, 1, 64),
-])
+@pytest.mark.parametrize(
+    "duration,batches,epochs,samples",
+    [
+        ("3ep", 12, 3, 192),
+        (2, 8, 2, 128),
+        ("6ba", 6, 1, 96),
+        ("100sp", 7, 1, 112),
+        ("1ep", 4, 1, 64),
+    ],
+)
 def test_durations_stop_at_the_right_batch(duration, batches, epochs, samples):
     trainer = _trainer(max_duration=duration)
     trainer.fit()
@@ -85,13 +127,21 @@ def test_fit_duration_adds_to_the_run_and_dur_fractions_resolve():
 
 def test_eval_interval_in_batches_and_dur():
     rec = Recorder()
-    trainer = _trainer(max_duration="2ep", eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
-                       eval_interval="3ba", callbacks=[rec])
+    trainer = _trainer(
+        max_duration="2ep",
+        eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
+        eval_interval="3ba",
+        callbacks=[rec],
+    )
     trainer.fit()
     assert rec.events.count(Event.EVAL_START) == 2  # after batches 3 and 6 of 8
     rec2 = Recorder()
-    trainer = _trainer(max_duration="8ba", eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
-                       eval_interval="0.25dur", callbacks=[rec2])
+    trainer = _trainer(
+        max_duration="8ba",
+        eval_dataloader=torch.utils.data.DataLoader(_data(16), batch_size=8),
+        eval_interval="0.25dur",
+        callbacks=[rec2],
+    )
     trainer.fit()
     assert rec2.events.count(Event.EVAL_START) == 4
 
@@ -148,10 +198,14 @@ def test_kiln_model_with_metrics_and_eval():
             return {"Accuracy": torchmetrics.classification.MulticlassAccuracy(num_classes=2, average="micro")}
 
     model = Net()
-    trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
-                           eval_dataloader=torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8),
-                           max_duration="3ep",
-                           optimizers=torch.optim.Adam(model.parameters(), lr=0.05), progress_bar=False)
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16),
+        eval_dataloader=torch.utils.data.DataLoader(_data(32, seed=1), batch_size=8),
+        max_duration="3ep",
+        optimizers=torch.optim.Adam(model.parameters(), lr=0.05),
+        progress_bar=False,
+    )
     trainer.fit()
     results = trainer.eval()
     x, y = _data(32, seed=1).tensors
@@ -179,10 +233,22 @@ def test_stop_training_ends_the_run_cleanly():
     assert rec.events[-1] == Event.FIT_END
 
 
-_BATCH = [Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-          Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS, Event.BEFORE_BACKWARD,
-          Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END,
-          Event.BATCH_CHECKPOINT]
+_BATCH = [
+    Event.BEFORE_DATALOADER,
+    Event.AFTER_DATALOADER,
+    Event.BATCH_START,
+    Event.BEFORE_TRAIN_BATCH,
+    Event.BEFORE_FORWARD,
+    Event.AFTER_FORWARD,
+    Event.BEFORE_LOSS,
+    Event.AFTER_LOSS,
+    Event.BEFORE_BACKWARD,
+    Event.AFTER_BACKWARD,
+    Event.AFTER_TRAIN_BATCH,
+    Event.BEFORE_OPTIMIZER_STEP,
+    Event.BATCH_END,
+    Event.BATCH_CHECKPOINT,
+]
 
 
 class _AtBatch(kiln.Callback):
@@ -241,19 +307,32 @@ def test_algorithms_run_before_callbacks_and_reverse_on_after_events():
             calls.append(("cb", Event.BEFORE_FORWARD))
 
     _trainer(max_duration="1ba", algorithms=[Alg("a"), Alg("b")], callbacks=[Cb()]).fit()
-    assert calls == [("a", Event.BEFORE_FORWARD), ("b", Event.BEFORE_FORWARD), ("cb", Event.BEFORE_FORWARD),
-                     ("b", Event.AFTER_FORWARD), ("a", Event.AFTER_FORWARD)]
+    assert calls == [
+        ("a", Event.BEFORE_FORWARD),
+        ("b", Event.BEFORE_FORWARD),
+        ("cb", Event.BEFORE_FORWARD),
+        ("b", Event.AFTER_FORWARD),
+        ("a", Event.AFTER_FORWARD),
+    ]
 
 
 def test_seed_makes_runs_identical_and_deterministic_flag():
     def run():
         torch.manual_seed(0)  # the model is built before the Trainer seeds anything
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
-        t = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="2ep",
-                         optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                         seed=3, progress_bar=False, deterministic=True)
+        t = kiln.Trainer(
+            model,
+            train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True),
+            max_duration="2ep",
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            seed=3,
+            progress_bar=False,
+            deterministic=True,
+        )
         t.fit()
         return [p.detach().clone() for p in model.parameters()]
+
     try:
         a, b = run(), run()
     finally:
@@ -262,23 +341,27 @@ def test_seed_makes_runs_identical_and_deterministic_flag():
 
 
 def test_plain_shuffled_dataloader_gets_a_seedable_sampler():
-    trainer = _trainer(train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True),
-                       max_duration="1ep", seed=5)
+    trainer = _trainer(
+        train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=16, shuffle=True), max_duration="1ep", seed=5
+    )
     assert isinstance(trainer.train_dataloader.sampler, kiln.launch.ResumableSampler)
     assert trainer.train_dataloader.sampler.seed == 5
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"max_duration": "10eps"}, "10eps"),
-    ({"max_duration": "0.5dur"}, "cannot be a fraction of itself"),
-    ({"grad_accum": 0}, "grad_accum=0 must be an integer >= 1"),
-    ({"device_train_microbatch_size": "big"}, "device_train_microbatch_size='big'"),
-    ({"eval_interval": "3sp"}, "eval_interval='3sp' must be"),
-    ({"save_type": "zip"}, "save_type='zip' is not known"),
-    ({"precision": "fp8"}, "precision='fp8' is not known"),
-    ({"strategy": "nope"}, "strategy='nope' is not known"),
-    ({"log_interval": "1ep"}, "log_interval='1ep'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_duration": "10eps"}, "10eps"),
+        ({"max_duration": "0.5dur"}, "cannot be a fraction of itself"),
+        ({"grad_accum": 0}, "grad_accum=0 must be an integer >= 1"),
+        ({"device_train_microbatch_size": "big"}, "device_train_microbatch_size='big'"),
+        ({"eval_interval": "3sp"}, "eval_interval='3sp' must be"),
+        ({"save_type": "zip"}, "save_type='zip' is not known"),
+        ({"precision": "fp8"}, "precision='fp8' is not known"),
+        ({"strategy": "nope"}, "strategy='nope' is not known"),
+        ({"log_interval": "1ep"}, "log_interval='1ep'"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _trainer(**kwargs)
@@ -298,8 +381,11 @@ def test_clip_grad_norm_and_gradient_clipping_algorithm_are_exclusive():
     from kiln.algorithms import GradientClipping
 
     with pytest.raises(ValueError, match="clip_grad_norm= and the GradientClipping algorithm"):
-        _trainer(max_duration=1, clip_grad_norm=1.0,
-                 algorithms=[GradientClipping(clipping_type="norm", clipping_threshold=1.0)])
+        _trainer(
+            max_duration=1,
+            clip_grad_norm=1.0,
+            algorithms=[GradientClipping(clipping_type="norm", clipping_threshold=1.0)],
+        )
 
 
 def test_two_rank_ddp_logs_the_mean_loss_counts_all_samples_and_matches_one_process(tmp_path):
@@ -322,13 +408,17 @@ def test_two_rank_ddp_logs_the_mean_loss_counts_all_samples_and_matches_one_proc
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for epoch in range(2):
-        sampler = [torch.utils.data.DistributedSampler(torch.utils.data.TensorDataset(x), num_replicas=2, rank=r,
-                                                       shuffle=True, seed=11) for r in range(2)]
+        sampler = [
+            torch.utils.data.DistributedSampler(
+                torch.utils.data.TensorDataset(x), num_replicas=2, rank=r, shuffle=True, seed=11
+            )
+            for r in range(2)
+        ]
         for s in sampler:
             s.set_epoch(epoch)
         orders = [list(s) for s in sampler]
         for step in range(4):
-            idx = [orders[r][step * 8:(step + 1) * 8] for r in range(2)]
+            idx = [orders[r][step * 8 : (step + 1) * 8] for r in range(2)]
             opt.zero_grad()
             loss = sum(nn.functional.cross_entropy(model(x[i]), y[i]) for i in idx) / 2
             loss.backward()
@@ -344,11 +434,18 @@ def test_resume_is_exact_when_eval_and_checkpoint_share_a_step(tmp_path):
     def make(max_duration, **kw):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Linear(16, 2))
-        return kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
-                            eval_dataloader=torch.utils.data.DataLoader(_data(16, seed=1), batch_size=8, shuffle=True),
-                            max_duration=max_duration, eval_interval="3ba", optimizers=torch.optim.AdamW(
-                                model.parameters(), lr=0.01), criterion=nn.CrossEntropyLoss(), seed=4,
-                            progress_bar=False, **kw)
+        return kiln.Trainer(
+            model,
+            train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
+            eval_dataloader=torch.utils.data.DataLoader(_data(16, seed=1), batch_size=8, shuffle=True),
+            max_duration=max_duration,
+            eval_interval="3ba",
+            optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
+            criterion=nn.CrossEntropyLoss(),
+            seed=4,
+            progress_bar=False,
+            **kw,
+        )
 
     full = make("14ba")
     full.fit()
@@ -374,9 +471,15 @@ def test_fit_with_reset_time_starts_time_and_data_again_from_epoch_zero():
         torch.manual_seed(0)
         model = nn.Linear(8, 2)
         seen = Seen()
-        trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
-                               optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                               callbacks=[seen], progress_bar=False, seed=3)
+        trainer = kiln.Trainer(
+            model,
+            train_dataloader=torch.utils.data.DataLoader(_data(), batch_size=8, shuffle=True),
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            callbacks=[seen],
+            progress_bar=False,
+            seed=3,
+        )
         trainer.fit(duration=durations[0])
         first = len(seen.batches)
         for duration in durations[1:]:

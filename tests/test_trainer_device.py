@@ -67,8 +67,15 @@ def test_device_cpu_keeps_model_and_batches_on_cpu_where_cuda_is(fake_cuda):
     assert kiln.context().device == CUDA0  # without device=, this run would go to the GPU
     devices = _BatchDevices()
     model = _model()
-    trainer = kiln.Trainer(model, criterion=nn.CrossEntropyLoss(), device="cpu", train_dataloader=_loader(),
-                           max_duration="1ep", callbacks=devices, progress_bar=False)
+    trainer = kiln.Trainer(
+        model,
+        criterion=nn.CrossEntropyLoss(),
+        device="cpu",
+        train_dataloader=_loader(),
+        max_duration="1ep",
+        callbacks=devices,
+        progress_bar=False,
+    )
     assert trainer.engine.device == CPU and trainer.state.device == CPU
     assert all(p.device == CPU for p in model.parameters())
     trainer.fit()
@@ -92,10 +99,20 @@ def test_device_cpu_reaches_the_engine(fake_cuda, monkeypatch):
     assert kiln.context().device == CUDA0  # the launch's context itself is left as it was
 
 
-@pytest.mark.parametrize("device, expected", [
-    ("cpu", CPU), (CPU, CPU), ("gpu", CUDA0), ("cuda", CUDA0), ("cuda:1", CUDA1), (CUDA1, CUDA1), (None, CUDA0),
-    ("GPU", CUDA0), ("CPU", CPU),
-])
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        ("cpu", CPU),
+        (CPU, CPU),
+        ("gpu", CUDA0),
+        ("cuda", CUDA0),
+        ("cuda:1", CUDA1),
+        (CUDA1, CUDA1),
+        (None, CUDA0),
+        ("GPU", CUDA0),
+        ("CPU", CPU),
+    ],
+)
 def test_resolve_device_with_cuda(fake_cuda, device, expected):
     assert resolve_device(device) == expected
 
@@ -112,12 +129,15 @@ def test_gpu_without_cuda_is_a_clear_error(monkeypatch, device):
         kiln.Trainer(_model(), criterion=nn.CrossEntropyLoss(), device=device, max_duration=1, progress_bar=False)
 
 
-@pytest.mark.parametrize("device, message", [
-    ("tpu", "device='tpu' is not a device"),
-    ("meta", "device='meta' is not supported"),
-    (3, "device=3 is not a device"),
-    ("cuda:7", "names GPU 7, but this machine has 2"),
-])
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu", "device='tpu' is not a device"),
+        ("meta", "device='meta' is not supported"),
+        (3, "device=3 is not a device"),
+        ("cuda:7", "names GPU 7, but this machine has 2"),
+    ],
+)
 def test_bad_devices(fake_cuda, device, message):
     with pytest.raises(ValueError, match=message):
         resolve_device(device)
@@ -146,6 +166,7 @@ def test_engine_form_refuses_a_different_device(fake_cuda):
 
 def test_device_cpu_gives_the_same_losses_as_before():
     """On a CPU machine, device='cpu' and device=None are the same run, bit for bit."""
+
     def losses(device):
         seen = []
 
@@ -154,9 +175,16 @@ def test_device_cpu_gives_the_same_losses_as_before():
                 seen.append(state.loss.item())
 
         model = _model()
-        kiln.Trainer(model, criterion=nn.CrossEntropyLoss(), device=device, optimizers=torch.optim.SGD(
-            model.parameters(), lr=0.1), train_dataloader=_loader(), max_duration="2ep", callbacks=Record(),
-            progress_bar=False).fit()
+        kiln.Trainer(
+            model,
+            criterion=nn.CrossEntropyLoss(),
+            device=device,
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_dataloader=_loader(),
+            max_duration="2ep",
+            callbacks=Record(),
+            progress_bar=False,
+        ).fit()
         return seen
 
     if torch.cuda.is_available():

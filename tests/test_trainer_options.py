@@ -27,8 +27,13 @@ def _loader():
 
 def _trainer(**kwargs):
     model = nn.Linear(4, 2)
-    args = dict(train_dataloader=_loader(), max_duration="1ba", optimizers=torch.optim.SGD(model.parameters(), 0.1),
-                criterion=nn.CrossEntropyLoss(), progress_bar=False)
+    args = dict(
+        train_dataloader=_loader(),
+        max_duration="1ba",
+        optimizers=torch.optim.SGD(model.parameters(), 0.1),
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+    )
     args.update(kwargs)
     return kiln.Trainer(model, **args)
 
@@ -50,23 +55,34 @@ def test_colossal_positional_engine_is_the_engine():
     assert trainer.state.timestamp.batch.value == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"grad_accum": 0}, r"^grad_accum=0 must be an integer >= 1$"),
-    ({"grad_accum": True}, r"^grad_accum=True must be an integer >= 1$"),
-    ({"device_train_microbatch_size": "big"}, r"^device_train_microbatch_size='big' must be an integer >= 1, or 'auto'$"),
-    ({"grad_accum": 2, "device_train_microbatch_size": 4},
-     r"^grad_accum=2 and device_train_microbatch_size=4 both split batches; set one of them$"),
-    ({"max_duration": "0.5dur"}, r"^max_duration='0.5dur' cannot be a fraction of itself"),
-    ({"max_duration": 0}, r"^max_duration=0 must be positive$"),
-    ({"scale_schedule_ratio": 0}, r"^scale_schedule_ratio=0 must be a positive number$"),
-    ({"train_subset_num_batches": 0}, r"^train_subset_num_batches=0 must be an integer >= 1, or -1/None"),
-    ({"eval_interval": "3sp"}, r"^eval_interval='3sp' must be a positive number of epochs"),
-    ({"eval_subset_num_batches": -2}, r"^eval_subset_num_batches=-2 must be an integer >= 1, or None$"),
-    ({"log_interval": "1ep"}, r"^log_interval='1ep' must be a positive number of batches"),
-    ({"save_num_checkpoints_to_keep": 0}, r"^save_num_checkpoints_to_keep=0 must be -1 \(keep all\) or an int >= 1$"),
-    ({"save_type": "pickle"}, r"save_type='pickle'"),
-    ({"autoresume": True}, r"^autoresume=True needs save_folder="),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"grad_accum": 0}, r"^grad_accum=0 must be an integer >= 1$"),
+        ({"grad_accum": True}, r"^grad_accum=True must be an integer >= 1$"),
+        (
+            {"device_train_microbatch_size": "big"},
+            r"^device_train_microbatch_size='big' must be an integer >= 1, or 'auto'$",
+        ),
+        (
+            {"grad_accum": 2, "device_train_microbatch_size": 4},
+            r"^grad_accum=2 and device_train_microbatch_size=4 both split batches; set one of them$",
+        ),
+        ({"max_duration": "0.5dur"}, r"^max_duration='0.5dur' cannot be a fraction of itself"),
+        ({"max_duration": 0}, r"^max_duration=0 must be positive$"),
+        ({"scale_schedule_ratio": 0}, r"^scale_schedule_ratio=0 must be a positive number$"),
+        ({"train_subset_num_batches": 0}, r"^train_subset_num_batches=0 must be an integer >= 1, or -1/None"),
+        ({"eval_interval": "3sp"}, r"^eval_interval='3sp' must be a positive number of epochs"),
+        ({"eval_subset_num_batches": -2}, r"^eval_subset_num_batches=-2 must be an integer >= 1, or None$"),
+        ({"log_interval": "1ep"}, r"^log_interval='1ep' must be a positive number of batches"),
+        (
+            {"save_num_checkpoints_to_keep": 0},
+            r"^save_num_checkpoints_to_keep=0 must be -1 \(keep all\) or an int >= 1$",
+        ),
+        ({"save_type": "pickle"}, r"save_type='pickle'"),
+        ({"autoresume": True}, r"^autoresume=True needs save_folder="),
+    ],
+)
 def test_a_bad_argument_fails_at_construction_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         _trainer(**kwargs)

@@ -47,8 +47,23 @@ _EXPORTS: dict[str, str] = {
     "Trainer": "kiln.trainer.trainer",
 }
 
-_SUBMODULES = {"parallel", "precision", "engine", "core", "launch", "optim", "algorithms", "callbacks",
-               "loggers", "metrics", "hooks", "trainer", "checkpoint", "config", "cli"}
+_SUBMODULES = {
+    "parallel",
+    "precision",
+    "engine",
+    "core",
+    "launch",
+    "optim",
+    "algorithms",
+    "callbacks",
+    "loggers",
+    "metrics",
+    "hooks",
+    "trainer",
+    "checkpoint",
+    "config",
+    "cli",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

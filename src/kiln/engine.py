@@ -23,7 +23,8 @@ reductions and Colossal-AI's ``Trainer(engine=...)`` all go through it; the four
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,11 +70,18 @@ class Engine:
                              precision="amp_bf16", gradient_accumulation=4)
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 criterion: Callable[..., torch.Tensor] | None = None, *,
-                 precision: str | Mapping[str, Any] | Precision | None = None,
-                 strategy: str | Strategy | None = "auto", gradient_accumulation: int = 1,
-                 clip_grad_norm: float | None = None, ctx: Context | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., torch.Tensor] | None = None,
+        *,
+        precision: str | Mapping[str, Any] | Precision | None = None,
+        strategy: str | Strategy | None = "auto",
+        gradient_accumulation: int = 1,
+        clip_grad_norm: float | None = None,
+        ctx: Context | None = None,
+    ) -> None:
         _check_accumulation(gradient_accumulation)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None for no clipping)")
@@ -183,8 +191,7 @@ class Engine:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
         if self.clip_grad_norm is not None:
             # None when the strategy clips inside its optimizer step (DeepSpeed)
-            self.last_grad_norm = self.strategy.clip_gradients(self.model, optimizer, self.clip_grad_norm,
-                                                               self.scaler)
+            self.last_grad_norm = self.strategy.clip_gradients(self.model, optimizer, self.clip_grad_norm, self.scaler)
         elif before_optimizer_step is not None and self.scaler is not None:
             self.scaler.unscale_(optimizer)  # the callbacks see the true gradients
         if before_optimizer_step is not None:
@@ -196,11 +203,16 @@ class Engine:
         if norm is not None:  # measured inside the step by a strategy that clips there (DeepSpeed)
             self.last_grad_norm = norm
 
-    def train_step(self, microbatches: Sequence[Any], loss_of: Callable[[Any], torch.Tensor], *,
-                   weighting: str | Sequence[float] = "samples",
-                   after_backward: Callable[[], None] | None = None,
-                   after_microbatches: Callable[[torch.Tensor], None] | None = None,
-                   before_optimizer_step: Callable[[], None] | None = None) -> torch.Tensor:
+    def train_step(
+        self,
+        microbatches: Sequence[Any],
+        loss_of: Callable[[Any], torch.Tensor],
+        *,
+        weighting: str | Sequence[float] = "samples",
+        after_backward: Callable[[], None] | None = None,
+        after_microbatches: Callable[[torch.Tensor], None] | None = None,
+        before_optimizer_step: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """One optimizer step over ``microbatches`` (one micro-step of it when the Engine accumulates).
 
         In order: zero the gradients (at the start of an accumulation cycle); for each microbatch,
@@ -245,8 +257,12 @@ class Engine:
                 after_backward()
             if after_microbatches is not None:
                 after_microbatches(loss)
-            if (self._inline_step and before_optimizer_step is None and self.clip_grad_norm is None
-                    and optimizer is not None):
+            if (
+                self._inline_step
+                and before_optimizer_step is None
+                and self.clip_grad_norm is None
+                and optimizer is not None
+            ):
                 self._last_call = "optimizer_step"  # optimizer_step() with nothing to do around the step
                 self._num_steps += 1
                 optimizer.step()
@@ -256,8 +272,9 @@ class Engine:
         if self._micro == 0 and optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         cycle_ends = self._micro == self._accum - 1
-        loss = self.backward_microbatches(microbatches, loss_of, weighting=weighting, sync=cycle_ends,
-                                          after_backward=after_backward)
+        loss = self.backward_microbatches(
+            microbatches, loss_of, weighting=weighting, sync=cycle_ends, after_backward=after_backward
+        )
         if after_microbatches is not None:
             after_microbatches(loss)
         if cycle_ends:
@@ -267,9 +284,15 @@ class Engine:
             self._micro += 1
         return loss
 
-    def backward_microbatches(self, microbatches: Sequence[Any], loss_of: Callable[[Any], torch.Tensor], *,
-                              weighting: str | Sequence[float] = "samples", sync: bool = True,
-                              after_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    def backward_microbatches(
+        self,
+        microbatches: Sequence[Any],
+        loss_of: Callable[[Any], torch.Tensor],
+        *,
+        weighting: str | Sequence[float] = "samples",
+        sync: bool = True,
+        after_backward: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """Forward, loss and weighted backward of each microbatch, adding to the gradients; the
         last backward synchronises them across ranks when ``sync``. The first half of
         :meth:`train_step`, for passes that add gradients without a step of their own (SAM's
@@ -337,8 +360,9 @@ class Engine:
     @micro_step.setter
     def micro_step(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self._accum:
-            raise ValueError(f"micro_step={value!r} must be an int in [0, {self._accum}) for gradient_accumulation="
-                             f"{self._accum}")
+            raise ValueError(
+                f"micro_step={value!r} must be an int in [0, {self._accum}) for gradient_accumulation={self._accum}"
+            )
         self._micro = value
 
     @property
@@ -404,10 +428,15 @@ def _strategy_from_config(cfg: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     return spec, dict(cfg.get("strategy_options", {}) or {})
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-               criterion: Callable[..., torch.Tensor] | None = None, train_dataloader: Any = None,
-               test_dataloader: Any = None, lr_scheduler: Any = None,
-               config: Config | Mapping[str, Any] | str | None = None) -> tuple[Engine, Any, Any, Any]:
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    criterion: Callable[..., torch.Tensor] | None = None,
+    train_dataloader: Any = None,
+    test_dataloader: Any = None,
+    lr_scheduler: Any = None,
+    config: Config | Mapping[str, Any] | str | None = None,
+) -> tuple[Engine, Any, Any, Any]:
     """Wrap model, optimizer and criterion in an :class:`Engine` as the config asks.
 
     Reads ``precision`` (or Colossal-AI's ``fp16=dict(mode=kiln.AMP_TYPE.TORCH)``),
@@ -422,10 +451,16 @@ def initialize(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     ctx = context()
     cfg = ctx.config if config is None else load_config(config)
     name, options = _strategy_from_config(cfg)
-    engine = Engine(model, optimizer, criterion, precision=precision_from_config(cfg),
-                    strategy=get_strategy(name, ctx, **options),
-                    gradient_accumulation=cfg.get("gradient_accumulation", 1),
-                    clip_grad_norm=cfg.get("clip_grad_norm"), ctx=ctx)
+    engine = Engine(
+        model,
+        optimizer,
+        criterion,
+        precision=precision_from_config(cfg),
+        strategy=get_strategy(name, ctx, **options),
+        gradient_accumulation=cfg.get("gradient_accumulation", 1),
+        clip_grad_norm=cfg.get("clip_grad_norm"),
+        ctx=ctx,
+    )
     seed = cfg.get("seed", 1024)
     dp = engine.data_parallel_size, engine.data_parallel_rank
     train_dataloader = ensure_distributed_sampler(train_dataloader, seed, *dp)

@@ -26,8 +26,18 @@ import torch.nn.functional as F
 import torchmetrics
 from torchmetrics import MeanMetric, Metric, MetricCollection, SumMetric
 
-__all__ = ["Metric", "MetricCollection", "MeanMetric", "SumMetric", "Accuracy", "Precision", "Recall",
-           "F1Score", "CrossEntropy", "sync_metrics"]
+__all__ = [
+    "Metric",
+    "MetricCollection",
+    "MeanMetric",
+    "SumMetric",
+    "Accuracy",
+    "Precision",
+    "Recall",
+    "F1Score",
+    "CrossEntropy",
+    "sync_metrics",
+]
 
 
 def _infer_task(task: str | None, kwargs: Mapping[str, Any]) -> str | None:
@@ -51,8 +61,10 @@ def _class_last(preds: torch.Tensor, target: torch.Tensor, name: str) -> torch.T
         return preds
     if preds.ndim >= 3 and preds.shape[:1] + preds.shape[2:] == target.shape:
         return preds.movedim(1, -1)
-    raise ValueError(f"{name}: scores of shape {tuple(preds.shape)} do not fit targets of shape "
-                     f"{tuple(target.shape)}; expected (N, C) with (N,), or (N, ..., C) / (N, C, ...) with (N, ...)")
+    raise ValueError(
+        f"{name}: scores of shape {tuple(preds.shape)} do not fit targets of shape "
+        f"{tuple(target.shape)}; expected (N, C) with (N,), or (N, ..., C) / (N, C, ...) with (N, ...)"
+    )
 
 
 class Accuracy(Metric):
@@ -95,8 +107,9 @@ class Accuracy(Metric):
         # torchmetrics passes the metric's repr here for its own __new__; ours must get no task.
         return ()
 
-    def __init__(self, task: str | None = None, *, top_k: int = 1, ignore_index: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, task: str | None = None, *, top_k: int = 1, ignore_index: int | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         if not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"Accuracy top_k must be a positive int, got {top_k!r}")
@@ -123,8 +136,10 @@ class Accuracy(Metric):
                 preds = (preds > 0.5).to(target.dtype)
             hit = preds == target
         else:
-            raise ValueError(f"Accuracy: predictions of shape {tuple(preds.shape)} do not fit targets of shape "
-                             f"{tuple(target.shape)}; pass scores (N, C) or labels/probabilities of shape (N,)")
+            raise ValueError(
+                f"Accuracy: predictions of shape {tuple(preds.shape)} do not fit targets of shape "
+                f"{tuple(target.shape)}; pass scores (N, C) or labels/probabilities of shape (N,)"
+            )
         if self.ignore_index is not None:
             keep = target != self.ignore_index
             hit = hit & keep
@@ -146,8 +161,10 @@ class _TaskMetric:
     def __new__(cls, task: str | None = None, *args: Any, **kwargs: Any) -> Any:
         task = _infer_task(task, kwargs)
         if task is None:
-            raise ValueError(f"{cls.__name__} needs to know the task: pass num_classes=N (multiclass), "
-                             f"num_labels=N (multilabel) or task='binary'")
+            raise ValueError(
+                f"{cls.__name__} needs to know the task: pass num_classes=N (multiclass), "
+                f"num_labels=N (multilabel) or task='binary'"
+            )
         return cls._wrapped(task, *args, **kwargs)
 
 

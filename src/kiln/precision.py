@@ -28,8 +28,14 @@ __all__ = ["AMP_TYPE", "DTYPES", "Precision", "PRECISIONS", "TENSOR_TYPES", "get
 
 # The one home of these names: the config layer, the checkpoint tools and the CLI builder read them here.
 # Dtype names for per-tensor-type precisions and for casting checkpoints (``kiln checkpoint export --dtype``).
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                                  "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 TENSOR_TYPES = ("param", "buffer", "input")
 # Each named precision as Precision's keyword arguments (the table in this module's docstring).
 _NAMED: dict[str, dict[str, Any]] = {
@@ -37,18 +43,22 @@ _NAMED: dict[str, dict[str, Any]] = {
     "amp_bf16": {"autocast_dtype": torch.bfloat16},
     "amp_fp16": {"autocast_dtype": torch.float16, "scaled": True},
     "bf16": {"param_dtype": torch.bfloat16, "buffer_dtype": torch.bfloat16, "input_dtype": torch.bfloat16},
-    "fp16": {"param_dtype": torch.float16, "buffer_dtype": torch.float16, "input_dtype": torch.float16,
-             "scaled": True},
+    "fp16": {"param_dtype": torch.float16, "buffer_dtype": torch.float16, "input_dtype": torch.float16, "scaled": True},
 }
 PRECISIONS = tuple(_NAMED)
-_ALIASES = {"amp": "amp_fp16", "torch": "amp_fp16", "float32": "fp32", "32": "fp32"}  # other spellings get_precision takes
+_ALIASES = {
+    "amp": "amp_fp16",
+    "torch": "amp_fp16",
+    "float32": "fp32",
+    "32": "fp32",
+}  # other spellings get_precision takes
 
 
 class AMP_TYPE(str, Enum):  # noqa: N801 -- Colossal-AI's public name
     """Colossal-AI's mixed-precision modes, mapped onto kiln's precision names."""
 
     TORCH = "torch"  # torch.amp autocast + GradScaler -> amp_fp16
-    APEX = "apex"    # apex O1/O2 has no torch equivalent beyond autocast -> amp_fp16
+    APEX = "apex"  # apex O1/O2 has no torch equivalent beyond autocast -> amp_fp16
     NAIVE = "naive"  # parameters in fp16 with a loss scaler -> fp16
 
 
@@ -78,9 +88,15 @@ class Precision:
             out = model(x)
     """
 
-    def __init__(self, name: str, param_dtype: torch.dtype | None = None, buffer_dtype: torch.dtype | None = None,
-                 input_dtype: torch.dtype | None = None, autocast_dtype: torch.dtype | None = None,
-                 scaled: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        param_dtype: torch.dtype | None = None,
+        buffer_dtype: torch.dtype | None = None,
+        input_dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        scaled: bool = False,
+    ) -> None:
         self.name = name
         self.param_dtype = param_dtype
         self.buffer_dtype = buffer_dtype
@@ -123,7 +139,8 @@ class Precision:
             return type(data)(self.cast_input(d) for d in data)
         if isinstance(data, Mapping):
             return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-                {k: self.cast_input(v) for k, v in data.items()})
+                {k: self.cast_input(v) for k, v in data.items()}
+            )
         return data
 
     def make_scaler(self, device: torch.device | str) -> torch.amp.GradScaler | None:
@@ -151,17 +168,26 @@ def get_precision(spec: str | Mapping[str, Any] | Precision | None) -> Precision
     if isinstance(spec, Mapping):
         unknown = set(spec) - set(TENSOR_TYPES)
         if unknown:
-            raise ValueError(f"precision has unknown tensor types {sorted(unknown)}; expected keys among {list(TENSOR_TYPES)}")
+            raise ValueError(
+                f"precision has unknown tensor types {sorted(unknown)}; expected keys among {list(TENSOR_TYPES)}"
+            )
         dtypes = {k: _dtype(v, k) for k, v in spec.items()}
         param = dtypes.get("param", torch.float32)
-        return Precision("custom", param_dtype=param, buffer_dtype=dtypes.get("buffer", param),
-                         input_dtype=dtypes.get("input", param), scaled=param == torch.float16)
+        return Precision(
+            "custom",
+            param_dtype=param,
+            buffer_dtype=dtypes.get("buffer", param),
+            input_dtype=dtypes.get("input", param),
+            scaled=param == torch.float16,
+        )
     name = str(spec.value if isinstance(spec, Enum) else spec).lower()
     name = _ALIASES.get(name, name)
     if name in _NAMED:
         return Precision(name, **_NAMED[name])
-    raise ValueError(f"precision={spec!r} is not known; expected one of {', '.join(PRECISIONS)} "
-                     f"or a dict of {{param, buffer, input}} dtypes")
+    raise ValueError(
+        f"precision={spec!r} is not known; expected one of {', '.join(PRECISIONS)} "
+        f"or a dict of {{param, buffer, input}} dtypes"
+    )
 
 
 def precision_from_config(config: Mapping[str, Any]) -> Precision:
@@ -174,7 +200,9 @@ def precision_from_config(config: Mapping[str, Any]) -> Precision:
         try:
             amp = AMP_TYPE(mode.value if isinstance(mode, Enum) else str(mode).lower())
         except ValueError:
-            raise ValueError(f"config fp16.mode={mode!r} is not known; expected one of "
-                             f"{', '.join(m.name for m in AMP_TYPE)} (kiln.AMP_TYPE)") from None
+            raise ValueError(
+                f"config fp16.mode={mode!r} is not known; expected one of "
+                f"{', '.join(m.name for m in AMP_TYPE)} (kiln.AMP_TYPE)"
+            ) from None
         return get_precision(_AMP_TO_PRECISION[amp])
     return get_precision(config.get("precision"))

@@ -59,9 +59,11 @@ def build_state(seed: int = 0, precision: str | None = None, callbacks=(), strat
     g = torch.Generator().manual_seed(5)
     data = torch.utils.data.TensorDataset(torch.randn(48, 8, generator=g), torch.randint(0, 4, (48,), generator=g))
     loader = kiln.ResumableLoader(
-        torch.utils.data.DataLoader(data, batch_size=8, sampler=ResumableSampler(data, 1, 0, shuffle=True, seed=3)))
-    state = kiln.State(model, optimizers=[optimizer], schedulers=[scheduler], algorithms=[Noise()],
-                       callbacks=list(callbacks))
+        torch.utils.data.DataLoader(data, batch_size=8, sampler=ResumableSampler(data, 1, 0, shuffle=True, seed=3))
+    )
+    state = kiln.State(
+        model, optimizers=[optimizer], schedulers=[scheduler], algorithms=[Noise()], callbacks=list(callbacks)
+    )
     state.engine, state.dataloader = engine, loader
     return state
 
@@ -99,9 +101,15 @@ def snapshot(state) -> dict:
     from kiln.parallel.dcp_state import get_state_dict
 
     full = get_state_dict(state.engine.model, state.engine.optimizer, full=True)
-    return {**full, "ts": state.timestamp.state_dict(), "sched": state.schedulers[0].state_dict(),
-            "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(), "np_rng": np.random.get_state()[1].copy(),
-            "calls": state.algorithms[0].calls}
+    return {
+        **full,
+        "ts": state.timestamp.state_dict(),
+        "sched": state.schedulers[0].state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "py_rng": random.getstate(),
+        "np_rng": np.random.get_state()[1].copy(),
+        "calls": state.algorithms[0].calls,
+    }
 
 
 def assert_same(a: dict, b: dict) -> None:

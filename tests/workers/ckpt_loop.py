@@ -55,11 +55,23 @@ data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.ran
 sampler = ResumableSampler(data, shuffle=True, seed=3)
 loader = kiln.ResumableLoader(torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler))
 
-saver = CheckpointSaver(f"{args.out}/ckpt", interval=args.interval, save_type=args.save_type,
-                        save_async=args.save_async, num_checkpoints_to_keep=args.keep)
+saver = CheckpointSaver(
+    f"{args.out}/ckpt",
+    interval=args.interval,
+    save_type=args.save_type,
+    save_async=args.save_async,
+    num_checkpoints_to_keep=args.keep,
+)
 jitter = Noise()  # draws from all three global RNGs; its call count is checkpointed
-state = kiln.State(model, rank=ctx.rank, world_size=ctx.world_size, optimizers=[optimizer], schedulers=[scheduler],
-                   algorithms=[jitter], callbacks=[saver])
+state = kiln.State(
+    model,
+    rank=ctx.rank,
+    world_size=ctx.world_size,
+    optimizers=[optimizer],
+    schedulers=[scheduler],
+    algorithms=[jitter],
+    callbacks=[saver],
+)
 state.engine, state.dataloader = engine, loader
 if args.resume:
     load_checkpoint("last", state, folder=f"{args.out}/ckpt")
@@ -102,6 +114,14 @@ try:
 except SystemExit as exc:  # the preemption exit, status 75
     finish(exc.code)
 final = kiln.parallel.dcp_state.get_state_dict(engine.model, optimizer, full=True)
-torch.save({**final, "calls": jitter.calls, "lr": scheduler.get_last_lr(), "batch": ts.batch.value,
-            "rng": torch.get_rng_state()}, f"{args.out}/final_rank{ctx.rank}.pt")
+torch.save(
+    {
+        **final,
+        "calls": jitter.calls,
+        "lr": scheduler.get_last_lr(),
+        "batch": ts.batch.value,
+        "rng": torch.get_rng_state(),
+    },
+    f"{args.out}/final_rank{ctx.rank}.pt",
+)
 finish(0)

@@ -4,7 +4,6 @@ the full model and optimizer state for comparison.
     python ckpt_save_ranks.py OUT STRATEGY [SAVE_TYPES=sharded,deduped,merged]
 """
 
-import os
 import sys
 
 import torch

@@ -39,13 +39,25 @@ model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32
 g = torch.Generator().manual_seed(5)
 data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g))
 trainer = kiln.Trainer(
-    model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="3ep",
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+    max_duration="3ep",
     optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
     schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
-    criterion=nn.CrossEntropyLoss(), precision="amp_bf16", grad_accum=2, seed=0, strategy=args.strategy,
-    algorithms=[kiln.algorithms.MixUp(alpha=0.3)], callbacks=[Die()] if args.die_after else [],
-    save_folder=f"{args.out}/ckpt", save_interval=args.interval, save_type=args.save_type,
-    save_async=args.save_async, autoresume=args.autoresume, progress_bar=False)
+    criterion=nn.CrossEntropyLoss(),
+    precision="amp_bf16",
+    grad_accum=2,
+    seed=0,
+    strategy=args.strategy,
+    algorithms=[kiln.algorithms.MixUp(alpha=0.3)],
+    callbacks=[Die()] if args.die_after else [],
+    save_folder=f"{args.out}/ckpt",
+    save_interval=args.interval,
+    save_type=args.save_type,
+    save_async=args.save_async,
+    autoresume=args.autoresume,
+    progress_bar=False,
+)
 trainer.fit()
 engine = trainer.engine
 final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)

@@ -94,14 +94,31 @@ def record_grads(trainer: Any) -> None:
 def _point(name: str):
     def hook(trainer: Any, *args: Any) -> None:
         RECORD["points"].append(name)
+
     hook.__name__ = name
     return hook
 
 
-for _name in ("on_train_start", "on_train_end", "on_epoch_start", "on_epoch_end", "on_train_step_start",
-              "on_train_step_end", "before_zero_grad", "after_zero_grad", "after_aggregate_train_step_outputs",
-              "before_gnorm_clip", "after_gnorm_clip", "before_optimizer_step", "after_optimizer_step",
-              "on_val_start", "on_val_end", "on_val_step_start", "on_val_step_end", "after_setup"):
+for _name in (
+    "on_train_start",
+    "on_train_end",
+    "on_epoch_start",
+    "on_epoch_end",
+    "on_train_step_start",
+    "on_train_step_end",
+    "before_zero_grad",
+    "after_zero_grad",
+    "after_aggregate_train_step_outputs",
+    "before_gnorm_clip",
+    "after_gnorm_clip",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "on_val_start",
+    "on_val_end",
+    "on_val_step_start",
+    "on_val_step_end",
+    "after_setup",
+):
     globals()[_name] = _point(_name)
 
 

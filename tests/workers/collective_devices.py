@@ -47,11 +47,21 @@ class Kept(LoggerDestination):
 def trainer_run(folder):
     net = model()
     trainer = kiln.Trainer(
-        net, train_dataloader=DataLoader(data(), batch_size=8), eval_dataloader=DataLoader(data(13), batch_size=4),
-        max_duration="3ba", eval_interval="3ba", criterion=nn.CrossEntropyLoss(), progress_bar=False,
-        optimizers=torch.optim.SGD(net.parameters(), lr=0.1), device_train_microbatch_size="auto",
-        eval_metrics={"Accuracy": Accuracy()}, loggers=[Kept()], save_folder=folder, save_interval="100ep",
-        callbacks=[callbacks.NaNMonitor(), GradReduction("sum", "sum", data_parallel_size=2)])
+        net,
+        train_dataloader=DataLoader(data(), batch_size=8),
+        eval_dataloader=DataLoader(data(13), batch_size=4),
+        max_duration="3ba",
+        eval_interval="3ba",
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+        device_train_microbatch_size="auto",
+        eval_metrics={"Accuracy": Accuracy()},
+        loggers=[Kept()],
+        save_folder=folder,
+        save_interval="100ep",
+        callbacks=[callbacks.NaNMonitor(), GradReduction("sum", "sum", data_parallel_size=2)],
+    )
     trainer.fit()
     rank = kiln.context().rank
     mine = [(x, y) for x, y in DataLoader(data(9 + rank), batch_size=4)]  # uneven: 3 and 3 batches, 9 and 10 rows
@@ -62,14 +72,23 @@ def trainer_run(folder):
 def hooks_run():
     net = model()
     engine, train_dl, test_dl, _ = kiln.initialize(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-        kiln.get_dataloader(data(), batch_size=8), kiln.get_dataloader(data(13), batch_size=4))
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        kiln.get_dataloader(data(), batch_size=8),
+        kiln.get_dataloader(data(13), batch_size=4),
+    )
     logger = kiln.get_dist_logger()
     trainer = kiln.Trainer(engine=engine, logger=logger)
     count = hooks.AccuracyHook(accuracy_func=lambda out, label: (out.argmax(-1) == label).sum())
     metric = hooks.AccuracyHook(accuracy_func=Accuracy())
-    trainer.fit(train_dataloader=train_dl, epochs=1, test_dataloader=test_dl, display_progress=False,
-                hooks=[hooks.LossHook(), count, metric, hooks.ThroughputHook(), hooks.LogMetricByEpochHook(logger)])
+    trainer.fit(
+        train_dataloader=train_dl,
+        epochs=1,
+        test_dataloader=test_dl,
+        display_progress=False,
+        hooks=[hooks.LossHook(), count, metric, hooks.ThroughputHook(), hooks.LogMetricByEpochHook(logger)],
+    )
     return {"count": count.metric.get_accumulated_value(), "torchmetrics": metric.metric.get_accumulated_value()}
 
 

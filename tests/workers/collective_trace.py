@@ -20,9 +20,22 @@ import torch.distributed as dist
 KILN_SRC = str(Path(__file__).resolve().parents[2] / "src" / "kiln")
 
 TENSOR_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -47,7 +60,7 @@ def kiln_site() -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(KILN_SRC):
-            return f"{filename[len(KILN_SRC) + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+            return f"{filename[len(KILN_SRC) + 1 :]}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return None
 

@@ -14,8 +14,10 @@ ctx = kiln.launch_from_torch(config={"gradient_accumulation": accum, "strategy":
 torch.manual_seed(ctx.rank)  # different init per rank: DDP must broadcast rank 0's weights
 model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=torch.Generator().manual_seed(5)),
-                                      torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(6)))
+data = torch.utils.data.TensorDataset(
+    torch.randn(64, 6, generator=torch.Generator().manual_seed(5)),
+    torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(6)),
+)
 loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 engine, loader, _, _ = kiln.initialize(model, opt, nn.CrossEntropyLoss(), loader)
 assert isinstance(loader.sampler, torch.utils.data.DistributedSampler), type(loader.sampler)
@@ -36,7 +38,13 @@ flat = torch.cat([v.flatten() for v in sd.values()])
 gathered = [torch.empty_like(flat) for _ in range(2)]
 dist.all_gather(gathered, flat)
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
-    json.dump({"identical": torch.equal(gathered[0], gathered[1]), "keys": sorted(sd),
-               "unsynced_differs": unsynced_differs, "len": len(loader)}, f)
+    json.dump(
+        {
+            "identical": torch.equal(gathered[0], gathered[1]),
+            "keys": sorted(sd),
+            "unsynced_differs": unsynced_differs,
+            "len": len(loader),
+        },
+        f,
+    )
 dist.destroy_process_group()
-

@@ -26,13 +26,28 @@ class Crash(kiln.Callback):
             os._exit(1)
 
 
-trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="3ep",
-                       optimizers=torch.optim.AdamW(model.parameters(), lr=0.01), criterion=nn.CrossEntropyLoss(),
-                       callbacks=[Crash()], save_folder=f"{out}/ckpt", save_interval="2ba", autoresume=True,
-                       seed=3, progress_bar=False)
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+    max_duration="3ep",
+    optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
+    criterion=nn.CrossEntropyLoss(),
+    callbacks=[Crash()],
+    save_folder=f"{out}/ckpt",
+    save_interval="2ba",
+    autoresume=True,
+    seed=3,
+    progress_bar=False,
+)
 start = trainer.state.timestamp.batch.value
 trainer.fit()
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
-    json.dump({"attempt": attempt, "start": start,
-               "weights": {k: v.tolist() for k, v in kiln.parallel.full_model_state_dict(trainer.engine.model).items()}}, f)
+    json.dump(
+        {
+            "attempt": attempt,
+            "start": start,
+            "weights": {k: v.tolist() for k, v in kiln.parallel.full_model_state_dict(trainer.engine.model).items()},
+        },
+        f,
+    )
 torch.distributed.destroy_process_group()

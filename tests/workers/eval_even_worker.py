@@ -78,27 +78,45 @@ def run_case(name, seed):
     model = make_model(seed)
     forwards = []
     model.register_forward_hook(lambda *_: forwards.append(1))  # every forward of the root module
-    trainer = kiln.Trainer(model, criterion=nn.CrossEntropyLoss(), strategy=CASES[name](), progress_bar=False,
-                           eval_metrics={"Accuracy": Accuracy()}, callbacks=[counter])
+    trainer = kiln.Trainer(
+        model,
+        criterion=nn.CrossEntropyLoss(),
+        strategy=CASES[name](),
+        progress_bar=False,
+        eval_metrics={"Accuracy": Accuracy()},
+        callbacks=[counter],
+    )
     loader = DataLoader(eval_data(), batch_size=BATCH)
     metrics = trainer.eval(loader)
     ref, batched = reference(seed)
     gathered = trainer.predict(loader, gather=True)
     shard = trainer.predict(loader)
-    result = {"eval": metrics, "ref": ref, "batches": counter.batches, "forwards": len(forwards),
-              "predict_none": gathered is None, "shard": sum(o.shape[0] for o in shard)}
+    result = {
+        "eval": metrics,
+        "ref": ref,
+        "batches": counter.batches,
+        "forwards": len(forwards),
+        "predict_none": gathered is None,
+        "shard": sum(o.shape[0] for o in shard),
+    }
     if gathered is not None:
         result["predict_shapes"] = [list(o.shape) for o in gathered]
-        result["predict_diff"] = max((g.cpu() - b).abs().max().item() for g, b in zip(gathered, batched)) \
-            if len(gathered) == len(batched) else float("inf")
+        result["predict_diff"] = (
+            max((g.cpu() - b).abs().max().item() for g, b in zip(gathered, batched))
+            if len(gathered) == len(batched)
+            else float("inf")
+        )
     # one sample: the second data-parallel rank's shard is empty, its padding batch comes from the dataset
     result["tiny"] = trainer.eval(DataLoader(eval_data(1), batch_size=BATCH))
     result["tiny_ref"] = reference(seed, 1)[0]
     if name == "ddp":  # drop_last: each shard drops its own short batch; the rest comes back in order
         kept = trainer.predict(DataLoader(eval_data(), batch_size=BATCH, drop_last=True), gather=True)
         if kept is not None:
-            result["drop_last_diff"] = [(k - b).abs().max().item() for k, b in zip(kept, batched)] \
-                if len(kept) == 2 else ["wrong batch count", [list(k.shape) for k in kept]]
+            result["drop_last_diff"] = (
+                [(k - b).abs().max().item() for k, b in zip(kept, batched)]
+                if len(kept) == 2
+                else ["wrong batch count", [list(k.shape) for k in kept]]
+            )
     if name == "zero3":  # loaders kiln does not shard: this rank's own batches, 2 on rank 0 and 1 on rank 1
         x, y = eval_data().tensors
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,8 +130,13 @@ def run_case(name, seed):
 def main():
     out, cases = sys.argv[1], sys.argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    kiln.launch(rank=rank, world_size=world, host=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"],
-                timeout=timedelta(seconds=float(os.environ.get("KILN_TEST_PG_TIMEOUT", "60"))))
+    kiln.launch(
+        rank=rank,
+        world_size=world,
+        host=os.environ["MASTER_ADDR"],
+        port=os.environ["MASTER_PORT"],
+        timeout=timedelta(seconds=float(os.environ.get("KILN_TEST_PG_TIMEOUT", "60"))),
+    )
     results = {}
     for seed, name in enumerate(cases):
         start = time.perf_counter()

@@ -181,8 +181,11 @@ def optimizer_digest(engine: Any) -> str:
             value = value.full_tensor()
         if isinstance(value, torch.Tensor):
             data = f"{value.dtype}|{tuple(value.shape)}|".encode() + _tensor_bytes(value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                path.startswith("state") or path.endswith(".lr")):
+        elif (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (path.startswith("state") or path.endswith(".lr"))
+        ):
             data = _hex(value).encode()
         else:
             continue
@@ -201,32 +204,54 @@ class RecordLoss(kiln.Callback):
 
 
 # -- the cases ---------------------------------------------------------------------------------
-def trainer_case(strategy: Any = "auto", *, grad_accum: int = 1, clip: float | None = None, algorithms=(),
-                 precision: str | None = None, batches: int = 4, sgd: bool = False, scheduler: bool = True,
-                 **kwargs: Any):
+def trainer_case(
+    strategy: Any = "auto",
+    *,
+    grad_accum: int = 1,
+    clip: float | None = None,
+    algorithms=(),
+    precision: str | None = None,
+    batches: int = 4,
+    sgd: bool = False,
+    scheduler: bool = True,
+    **kwargs: Any,
+):
     def run(tmp: str):
         model, opt = make(sgd=sgd)
         record = RecordLoss()
         trainer = kiln.Trainer(
-            model, train_dataloader=loader(drop_last=True), max_duration=f"{batches}ba", optimizers=opt,
+            model,
+            train_dataloader=loader(drop_last=True),
+            max_duration=f"{batches}ba",
+            optimizers=opt,
             # per batch, from the full rate
             schedulers=kiln.optim.CosineAnnealingScheduler(alpha_f=0.2) if scheduler else None,
-            criterion=nn.CrossEntropyLoss(), strategy=strategy() if callable(strategy) else strategy,
-            grad_accum=grad_accum, clip_grad_norm=clip,
-            precision=precision, algorithms=list(algorithms), callbacks=[record], seed=0, progress_bar=False,
-            **kwargs)
+            criterion=nn.CrossEntropyLoss(),
+            strategy=strategy() if callable(strategy) else strategy,
+            grad_accum=grad_accum,
+            clip_grad_norm=clip,
+            precision=precision,
+            algorithms=list(algorithms),
+            callbacks=[record],
+            seed=0,
+            progress_bar=False,
+            **kwargs,
+        )
         trainer.fit()
         return record.losses, trainer.engine
+
     return run
 
 
 def engine_case(config: dict[str, Any], micro_steps: int = 8, sgd: bool = False):
     """Colossal-AI's four-line loop on ``kiln.initialize``; one loss per micro-step."""
+
     def run(tmp: str):
         model, opt = make(sgd=sgd)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
-        engine, train_dl, _, sched = kiln.initialize(model, opt, nn.CrossEntropyLoss(), loader(batch_size=4),
-                                                     lr_scheduler=sched, config=config)
+        engine, train_dl, _, sched = kiln.initialize(
+            model, opt, nn.CrossEntropyLoss(), loader(batch_size=4), lr_scheduler=sched, config=config
+        )
         if hasattr(train_dl.sampler, "set_epoch"):
             train_dl.sampler.set_epoch(0)
         losses: list[str] = []
@@ -241,11 +266,13 @@ def engine_case(config: dict[str, Any], micro_steps: int = 8, sgd: bool = False)
             sched.step()
             losses.append(_hex(loss))
         return losses, engine
+
     return run
 
 
 def config_case(overrides: list[str], **config: Any):
     """nnScaler's config path: TrainerArgs from a dict plus command-line overrides -> build_trainer."""
+
     def run(tmp: str):
         from kiln.config import build_trainer, load_trainer_args
 
@@ -255,7 +282,9 @@ def config_case(overrides: list[str], **config: Any):
             "dataset": {"type": "golden_runs.TokenDataset", "train_args": {"size": 16}},
             "dataset_sampler": {"train_args": {"shuffle": True}},
             "checkpoint": {"no_save": True},
-            "max_train_steps": 4, "seed": 0, "enable_progress_bar": False,
+            "max_train_steps": 4,
+            "seed": 0,
+            "enable_progress_bar": False,
             **config,
         }
         args = load_trainer_args(base, overrides, world_size=kiln.context().world_size)
@@ -263,6 +292,7 @@ def config_case(overrides: list[str], **config: Any):
         trainer = build_trainer(args, callbacks=[record])
         trainer.fit()
         return record.losses, trainer.engine
+
     return run
 
 
@@ -284,16 +314,28 @@ def resume_mid_epoch(strategy: str, resumes_at: int):
     2nd batch of every epoch (mid-epoch) and at each epoch's end, crashes at the end of batch 7 and
     is autoresumed from the last checkpoint (batch ``resumes_at``, mid-epoch) to batch 12. The
     losses are those of both launches in order (batches 1-7, then resumes_at+1 to 12)."""
+
     def save_when(state: Any, event: Any) -> bool:
         return event == kiln.Event.EPOCH_CHECKPOINT or state.timestamp.batch_in_epoch.value == 2
 
     def build(folder: str, autoresume: bool, callbacks: list[Any]):
         model, opt = make(DropoutNet)
         return kiln.Trainer(
-            model, train_dataloader=loader(drop_last=True), max_duration="12ba", optimizers=opt,
+            model,
+            train_dataloader=loader(drop_last=True),
+            max_duration="12ba",
+            optimizers=opt,
             schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
-            criterion=nn.CrossEntropyLoss(), strategy=strategy, grad_accum=2, seed=0, progress_bar=False,
-            callbacks=callbacks, save_folder=folder, save_interval=save_when, autoresume=autoresume)
+            criterion=nn.CrossEntropyLoss(),
+            strategy=strategy,
+            grad_accum=2,
+            seed=0,
+            progress_bar=False,
+            callbacks=callbacks,
+            save_folder=folder,
+            save_interval=save_when,
+            autoresume=autoresume,
+        )
 
     def run(tmp: str):
         folder = os.path.join(tmp, "ckpt")
@@ -309,6 +351,7 @@ def resume_mid_epoch(strategy: str, resumes_at: int):
             raise RuntimeError(f"resumed from batch {resumed_from}, expected {resumes_at} (a mid-epoch checkpoint)")
         trainer.fit()
         return first.losses + second.losses, trainer.engine
+
     return run
 
 
@@ -322,17 +365,27 @@ SINGLE: dict[str, Callable[[str], Any]] = {
     "trainer_single_amp_bf16": trainer_case("single", precision="amp_bf16"),
     "trainer_single_sam": trainer_case("single", algorithms=[kiln.algorithms.SAM(rho=0.05)], grad_accum=2),
     "trainer_single_gradclip_adaptive": trainer_case(
-        "single", algorithms=[kiln.algorithms.GradientClipping("adaptive", 0.05)], sgd=True),
+        "single", algorithms=[kiln.algorithms.GradientClipping("adaptive", 0.05)], sgd=True
+    ),
     "trainer_single_gradclip_value": trainer_case(
-        "single", algorithms=[kiln.algorithms.GradientClipping("value", 0.01)], grad_accum=2, sgd=True),
+        "single", algorithms=[kiln.algorithms.GradientClipping("value", 0.01)], grad_accum=2, sgd=True
+    ),
     "engine_single_accum2_clip": engine_case({"gradient_accumulation": 2, "clip_grad_norm": 0.05}, sgd=True),
-    "config_sum_accum2": config_case(["--optimizer.grad_reduction", "sum", "--optimizer.loss_reduction", "sum"],
-                                     micro_batch_size=2, global_batch_size=4),
+    "config_sum_accum2": config_case(
+        ["--optimizer.grad_reduction", "sum", "--optimizer.loss_reduction", "sum"],
+        micro_batch_size=2,
+        global_batch_size=4,
+    ),
     "config_per_token_mean_accum2_clip": config_case(
         ["--optimizer.grad_reduction", "per-token-mean", "--optimizer.clip_gnorm", "0.5"],
-        micro_batch_size=2, global_batch_size=4,
-        optimizer={"type": "torch.optim.SGD", "args": {"lr": 0.01, "momentum": 0.9},
-                   "aggregate_outputs_fn": "golden_runs.count_tokens"}),
+        micro_batch_size=2,
+        global_batch_size=4,
+        optimizer={
+            "type": "torch.optim.SGD",
+            "args": {"lr": 0.01, "momentum": 0.9},
+            "aggregate_outputs_fn": "golden_runs.count_tokens",
+        },
+    ),
     "resume_single_mid_epoch": resume_mid_epoch("single", 2),  # 8 batches per epoch
 }
 
@@ -342,29 +395,40 @@ MULTI: dict[str, Callable[[str], Any]] = {
     "trainer_zero2_clip": trainer_case("zero2", clip=0.05, sgd=True),
     "trainer_zero3_accum2_clip": trainer_case("zero3", grad_accum=2, clip=0.05, sgd=True),
     "trainer_tp_clip": trainer_case(lambda: kiln.parallel.TensorParallel(TP_PLAN), clip=0.05, sgd=True),
-    "trainer_pp_1f1b": trainer_case(lambda: kiln.parallel.Pipeline(["blocks.1"], schedule="1f1b", microbatches=2),
-                                    clip=0.05, sgd=True),
+    "trainer_pp_1f1b": trainer_case(
+        lambda: kiln.parallel.Pipeline(["blocks.1"], schedule="1f1b", microbatches=2), clip=0.05, sgd=True
+    ),
     "trainer_hybrid_tp": trainer_case(lambda: kiln.parallel.Hybrid(dp_shard=1, tp=2, tp_plan=TP_PLAN), grad_accum=2),
     "trainer_ddp_sam": trainer_case("ddp", algorithms=[kiln.algorithms.SAM(rho=0.05)]),
-    "trainer_ddp_gradclip_norm": trainer_case("ddp", algorithms=[kiln.algorithms.GradientClipping("norm", 0.05)],
-                                              grad_accum=2, sgd=True),
-    "engine_ddp_accum2_clip": engine_case({"gradient_accumulation": 2, "clip_grad_norm": 0.05, "strategy": "ddp"},
-                                          sgd=True),
+    "trainer_ddp_gradclip_norm": trainer_case(
+        "ddp", algorithms=[kiln.algorithms.GradientClipping("norm", 0.05)], grad_accum=2, sgd=True
+    ),
+    "engine_ddp_accum2_clip": engine_case(
+        {"gradient_accumulation": 2, "clip_grad_norm": 0.05, "strategy": "ddp"}, sgd=True
+    ),
     "engine_zero3_accum2": engine_case({"gradient_accumulation": 2, "strategy": "zero3"}),
     "config_zero1_sum_accum2": config_case(
         ["--compute_config.use_zero", "true", "--optimizer.grad_reduction", "sum"],
-        micro_batch_size=1, global_batch_size=4),
+        micro_batch_size=1,
+        global_batch_size=4,
+    ),
     "config_ddp_per_token_mean": config_case(
         ["--compute_config.strategy", "ddp", "--optimizer.grad_reduction", "per-token-mean"],
-        micro_batch_size=2, global_batch_size=4,
-        optimizer={"type": "torch.optim.SGD", "args": {"lr": 0.01, "momentum": 0.9},
-                   "aggregate_outputs_fn": "golden_runs.count_tokens"}),
+        micro_batch_size=2,
+        global_batch_size=4,
+        optimizer={
+            "type": "torch.optim.SGD",
+            "args": {"lr": 0.01, "momentum": 0.9},
+            "aggregate_outputs_fn": "golden_runs.count_tokens",
+        },
+    ),
     "resume_ddp_mid_epoch": resume_mid_epoch("ddp", 6),  # 4 batches per epoch on each rank
     # No scheduler: a kiln.optim scheduler on DeepSpeed's ZeRO optimizer (stage >= 1) raises TypeError
     # ("DeepSpeedZeroOptimizer is not an Optimizer") in the Trainer as of this recording. AdamW: DeepSpeed
     # refuses other optimizers under ZeRO unless told to.
-    "deepspeed_zero2_accum2_clip": trainer_case("deepspeed", grad_accum=2, clip=0.05, scheduler=False,
-                                                deepspeed_config=_deepspeed_config()),
+    "deepspeed_zero2_accum2_clip": trainer_case(
+        "deepspeed", grad_accum=2, clip=0.05, scheduler=False, deepspeed_config=_deepspeed_config()
+    ),
 }
 
 
@@ -396,8 +460,12 @@ def main() -> None:
                 tmp = box[0]
             losses, engine = run(tmp)
             total, each = weights_digest(engine)
-            entry = {"losses": [losses], "weights_sha256": [total], "weights": each,
-                     "optimizer_sha256": [optimizer_digest(engine)]}
+            entry = {
+                "losses": [losses],
+                "weights_sha256": [total],
+                "weights": each,
+                "optimizer_sha256": [optimizer_digest(engine)],
+            }
             if distributed:
                 for key in ("losses", "weights_sha256", "optimizer_sha256"):
                     gathered: list[Any] = [None] * torch.distributed.get_world_size()

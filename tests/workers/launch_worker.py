@@ -19,7 +19,15 @@ t = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(t)
 assert kiln.context() is ctx
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
-    json.dump({"rank": ctx.rank, "world": ctx.world_size, "local": ctx.local_rank, "sum": t.item(),
-               "backend": ctx.backend, "name": ctx.config.name}, f)
+    json.dump(
+        {
+            "rank": ctx.rank,
+            "world": ctx.world_size,
+            "local": ctx.local_rank,
+            "sum": t.item(),
+            "backend": ctx.backend,
+            "name": ctx.config.name,
+        },
+        f,
+    )
 dist.destroy_process_group()
-

@@ -41,4 +41,3 @@ values["local_accuracy"] = local_acc
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
     json.dump(values, f)
 dist.destroy_process_group()
-

@@ -26,8 +26,12 @@ def model():
 
 
 def eval_trainer(net):
-    return kiln.Trainer(net, criterion=nn.CrossEntropyLoss(), progress_bar=False,
-                        eval_metrics={"Accuracy": metrics.Accuracy(), "CrossEntropy": metrics.CrossEntropy()})
+    return kiln.Trainer(
+        net,
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+        eval_metrics={"Accuracy": metrics.Accuracy(), "CrossEntropy": metrics.CrossEntropy()},
+    )
 
 
 class PoisonLoss(kiln.Callback):
@@ -46,10 +50,15 @@ if __name__ == "__main__":
     ctx = kiln.launch_from_torch()
     result = {"eval": eval_trainer(model()).eval(DataLoader(data(), batch_size=8))}
     net = model()
-    trainer = kiln.Trainer(net, train_dataloader=DataLoader(data(64), batch_size=8), max_duration="2ep",
-                           criterion=nn.CrossEntropyLoss(), progress_bar=False,
-                           optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
-                           callbacks=[PoisonLoss(rank=1, batch=3), callbacks.NaNMonitor(raise_error=False)])
+    trainer = kiln.Trainer(
+        net,
+        train_dataloader=DataLoader(data(64), batch_size=8),
+        max_duration="2ep",
+        criterion=nn.CrossEntropyLoss(),
+        progress_bar=False,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+        callbacks=[PoisonLoss(rank=1, batch=3), callbacks.NaNMonitor(raise_error=False)],
+    )
     trainer.fit()
     result["stop_reason"] = trainer.state.stop_reason
     result["batch"] = trainer.state.timestamp.batch.value

@@ -18,7 +18,9 @@ STRATEGIES = {
     "tp": lambda: TensorParallel(PLAN),
     "pp_1f1b": lambda: Pipeline(["blocks.2"], schedule="1f1b", microbatches=4),
     "pp_gpipe": lambda: Pipeline(["blocks.2"], schedule="gpipe", microbatches=4),
-    "pp_interleaved": lambda: Pipeline(["blocks.1", "blocks.2", "blocks.3"], schedule="interleaved1f1b", microbatches=4),
+    "pp_interleaved": lambda: Pipeline(
+        ["blocks.1", "blocks.2", "blocks.3"], schedule="interleaved1f1b", microbatches=4
+    ),
     "hybrid_fsdp_tp": lambda: Hybrid(dp_shard=2, tp=2, tp_plan=PLAN),
     "hybrid_hsdp": lambda: Hybrid(dp_replicate=2, dp_shard=2),
     "hybrid_pp_fsdp": lambda: Hybrid(pp=2, dp_shard=2, split_points=["blocks.2"], microbatches=2),

@@ -42,6 +42,8 @@ def _zero3_bytes():
     # a budget only zero3 fits: replicating anything more would not
     rows = plan_table(make_model(), torch.optim.AdamW, world_size=2, budget=1e12)
     return next(r.total for r in rows if r.strategy == "zero3")
+
+
 VARIANTS = {"plain": (1, None), "accum2": (2, None), "clip": (1, 0.05)}
 GLOBAL_BATCH, STEPS = 16, 4
 
@@ -51,8 +53,15 @@ def build(spec, accum=1, clip=None, seed=0):
     model = make_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # built on the user's optimizer
-    engine = kiln.Engine(model, opt, nn.CrossEntropyLoss(), strategy=strategy, gradient_accumulation=accum,
-                         clip_grad_norm=clip, precision=precision)
+    engine = kiln.Engine(
+        model,
+        opt,
+        nn.CrossEntropyLoss(),
+        strategy=strategy,
+        gradient_accumulation=accum,
+        clip_grad_norm=clip,
+        precision=precision,
+    )
     return engine, sched
 
 
@@ -69,7 +78,7 @@ def train(strategy, accum, clip, dp_rank=None, dp_size=1):
     for step in range(STEPS):
         for m in range(accum):
             start = step * GLOBAL_BATCH + m * micro + dp_rank * per_rank
-            xb, yb = x[start:start + per_rank], y[start:start + per_rank]
+            xb, yb = x[start : start + per_rank], y[start : start + per_rank]
             engine.zero_grad()
             loss = engine.criterion(engine(xb), yb)
             engine.backward(loss)
@@ -126,7 +135,7 @@ def check_roundtrip(engine, spec, out, tag):
     for e in (engine, fresh):
         e.train()
         e.zero_grad()
-        e.backward(e.criterion(e(x[dp_rank * n:(dp_rank + 1) * n]), y[dp_rank * n:(dp_rank + 1) * n]))
+        e.backward(e.criterion(e(x[dp_rank * n : (dp_rank + 1) * n]), y[dp_rank * n : (dp_rank + 1) * n]))
         e.step()
     a, b = full_weights(engine), full_weights(fresh)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -155,14 +164,21 @@ def main():
             reference = full_weights(ref)
             diff = max((weights[k].cpu() - reference[k]).abs().max().item() for k in reference)
             missing = sorted(set(reference) - set(weights))
-            results[name][variant] = {"max_diff": diff, "missing": missing, "loss": loss, "ref_loss": ref_loss,
-                                      "norm": norm, "ref_norm": ref_norm, "seconds": time.perf_counter() - t}
+            results[name][variant] = {
+                "max_diff": diff,
+                "missing": missing,
+                "loss": loss,
+                "ref_loss": ref_loss,
+                "norm": norm,
+                "ref_norm": ref_norm,
+                "seconds": time.perf_counter() - t,
+            }
             if isinstance(engine.strategy, Auto):
                 results[name]["chosen"] = engine.strategy.chosen.name
                 results[name]["reason"] = engine.strategy.reason
             if variant == "plain":  # the trained model's forward in eval mode, on every rank
                 dp_size = engine.data_parallel_size
-                x = make_data(STEPS, GLOBAL_BATCH)[0][:GLOBAL_BATCH // dp_size]
+                x = make_data(STEPS, GLOBAL_BATCH)[0][: GLOBAL_BATCH // dp_size]
                 engine.eval()
                 with torch.no_grad():
                     results[name]["eval_diff"] = (engine(x) - ref.model.eval()(x)).abs().max().item()

@@ -28,6 +28,7 @@ def recording(cls, *args, **kwargs):
         def apply(self, model, plan):
             calls.append((step, model))
             return getattr(super(recorder, self), f"apply_{step}")(model, plan)
+
         return apply
 
     recorder = type(f"Recording{cls.__name__}", (cls,), {f"apply_{step}": spy(step) for step in STEPS})
@@ -70,10 +71,12 @@ def facts(strategy):
         "wraps_the_model": inner is model,
         "sharded": sorted(n for n, m in inner.named_modules() if isinstance(m, FSDPModule)),
         "placements": {n: _placements(p) for n, p in inner.named_parameters() if n.startswith(("inp.", "blocks.0."))},
-        "optimizer": type(engine.optimizer).__name__ if not isinstance(engine.optimizer, ZeroRedundancyOptimizer)
+        "optimizer": type(engine.optimizer).__name__
+        if not isinstance(engine.optimizer, ZeroRedundancyOptimizer)
         else "ZeroRedundancyOptimizer",
-        "optimizer_follows": all(any(p is q for q in engine.model.parameters())
-                                 for g in opt.param_groups for p in g["params"]),
+        "optimizer_follows": all(
+            any(p is q for q in engine.model.parameters()) for g in opt.param_groups for p in g["params"]
+        ),
         "data_parallel": [engine.data_parallel_rank, engine.data_parallel_size],
     }
 
@@ -81,11 +84,13 @@ def facts(strategy):
 def train(strategy, steps=3):
     """Full weights after a few AdamW steps, each rank on its half of the batch."""
     model = make_model()
-    engine = kiln.Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), strategy=strategy)
+    engine = kiln.Engine(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(), strategy=strategy
+    )
     x, y = make_data(steps, 16)
     rank, size = engine.data_parallel_rank, engine.data_parallel_size
     for step in range(steps):
-        xb, yb = x[step * 16:(step + 1) * 16].chunk(size)[rank], y[step * 16:(step + 1) * 16].chunk(size)[rank]
+        xb, yb = x[step * 16 : (step + 1) * 16].chunk(size)[rank], y[step * 16 : (step + 1) * 16].chunk(size)[rank]
         engine.zero_grad()
         engine.backward(engine.criterion(engine(xb), yb))
         engine.step()

@@ -60,8 +60,11 @@ class Record(kiln.Callback):
 
     def batch_end(self, state, logger):
         ts = state.timestamp
-        self.batches[ts.batch.value] = {"loss": state.loss.detach().float().clone(), "first": state.batch[0][0].clone(),
-                                        "lr": state.optimizers[0].param_groups[0]["lr"]}
+        self.batches[ts.batch.value] = {
+            "loss": state.loss.detach().float().clone(),
+            "first": state.batch[0][0].clone(),
+            "lr": state.optimizers[0].param_groups[0]["lr"],
+        }
         if ts.batch.value == args.die_after:
             self.dump()
             os._exit(17)  # a hard crash: no finally blocks, no flushing, no checkpoint of this batch
@@ -80,20 +83,36 @@ model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32
 record = Record()
 loader = torch.utils.data.DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=args.workers)
 trainer = kiln.Trainer(
-    model, train_dataloader=loader, max_duration=f"{args.epochs}ep",
+    model,
+    train_dataloader=loader,
+    max_duration=f"{args.epochs}ep",
     optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01),
     schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
-    criterion=nn.CrossEntropyLoss(), precision="amp_bf16", grad_accum=2, seed=0, strategy=args.strategy,
+    criterion=nn.CrossEntropyLoss(),
+    precision="amp_bf16",
+    grad_accum=2,
+    seed=0,
+    strategy=args.strategy,
     algorithms=[kiln.algorithms.MixUp(alpha=0.3)],
-    callbacks=[record], save_folder=f"{args.out}/ckpt", save_interval=save_when, autoresume=args.autoresume,
-    progress_bar=False)
+    callbacks=[record],
+    save_folder=f"{args.out}/ckpt",
+    save_interval=save_when,
+    autoresume=args.autoresume,
+    progress_bar=False,
+)
 trainer.fit()
 record.dump()
 engine = trainer.engine
 final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)
 ts = trainer.state.timestamp
-torch.save({**final, "scheduler": trainer.state.schedulers[0].state_dict(), "rng": rng_state(),
-            "timestamp": {k: v for k, v in ts.state_dict().items() if not k.endswith("wct")}},
-           f"{args.out}/final_rank{trainer.state.rank}.pt")
+torch.save(
+    {
+        **final,
+        "scheduler": trainer.state.schedulers[0].state_dict(),
+        "rng": rng_state(),
+        "timestamp": {k: v for k, v in ts.state_dict().items() if not k.endswith("wct")},
+    },
+    f"{args.out}/final_rank{trainer.state.rank}.pt",
+)
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

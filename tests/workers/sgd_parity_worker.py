@@ -112,8 +112,9 @@ def run_case(spec, accum, clip, ref):
     ref_model, ref_grads, ref_first, ref_last, ref_norms = ref
     model = make_model(0)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0, weight_decay=0.0)
-    engine = kiln.Engine(model, opt, nn.CrossEntropyLoss(), strategy=spec, gradient_accumulation=accum,
-                         clip_grad_norm=clip)
+    engine = kiln.Engine(
+        model, opt, nn.CrossEntropyLoss(), strategy=spec, gradient_accumulation=accum, clip_grad_norm=clip
+    )
     dp_rank, dp_size = engine.data_parallel_rank, engine.data_parallel_size
     x, y, x_eval, y_eval = _data()
     micro = GLOBAL_BATCH // accum
@@ -123,7 +124,7 @@ def run_case(spec, accum, clip, ref):
     for step in range(STEPS):
         for m in range(accum):
             start = step * GLOBAL_BATCH + m * micro + dp_rank * per_rank
-            xb, yb = x[start:start + per_rank], y[start:start + per_rank]
+            xb, yb = x[start : start + per_rank], y[start : start + per_rank]
             engine.zero_grad()
             engine.backward(engine.criterion(engine(xb), yb))
             if step == 0 and m == accum - 1:
@@ -147,8 +148,8 @@ def run_case(spec, accum, clip, ref):
 
     # eval-mode forward and loss on every rank: each rank its data-parallel share of a fresh batch,
     # shaped like a training micro-batch (a pipeline keeps the shapes it traced)
-    xe = x_eval[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    ye = y_eval[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    xe = x_eval[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    ye = y_eval[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     engine.eval()
     ref_model.eval()
     with torch.no_grad():
@@ -156,8 +157,12 @@ def run_case(spec, accum, clip, ref):
         loss = engine.criterion(out, ye)
         ref_out = ref_model(xe)
         ref_loss = nn.functional.cross_entropy(ref_out, ye)
-    mine = {"rank": dist.get_rank(), "out_abs": (out.cpu() - ref_out).abs().max().item(),
-            "loss_abs": abs(loss.item() - ref_loss.item()), "rows": int(xe.shape[0])}
+    mine = {
+        "rank": dist.get_rank(),
+        "out_abs": (out.cpu() - ref_out).abs().max().item(),
+        "loss_abs": abs(loss.item() - ref_loss.item()),
+        "rows": int(xe.shape[0]),
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     result["eval"] = every
@@ -175,8 +180,11 @@ def main():
         refs[variant] = reference(clip)
         _, grads, first, last, norms = refs[variant]
         _, _, first2, last2, _ = reference(clip, lr=2 * LR)
-        scale2[variant] = {"grad_abs": max(g.abs().max().item() for g in grads.values()),
-                           "weight_abs": _diff(last2, last)[0], "ref_norms": norms}
+        scale2[variant] = {
+            "grad_abs": max(g.abs().max().item() for g in grads.values()),
+            "weight_abs": _diff(last2, last)[0],
+            "ref_norms": norms,
+        }
     results["scale2"] = scale2
     for name in cases:
         results[name] = {}

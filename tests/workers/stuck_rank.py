@@ -34,9 +34,15 @@ if __name__ == "__main__":
     data = DataLoader(TensorDataset(x, x[:, :2].argmax(1)), batch_size=8)
     net = nn.Linear(8, 2)
     if sys.argv[2] == "trainer":
-        trainer = kiln.Trainer(net, train_dataloader=data, max_duration="2ep", criterion=nn.CrossEntropyLoss(),
-                               progress_bar=False, optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
-                               callbacks=[Stall()])
+        trainer = kiln.Trainer(
+            net,
+            train_dataloader=data,
+            max_duration="2ep",
+            criterion=nn.CrossEntropyLoss(),
+            progress_bar=False,
+            optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+            callbacks=[Stall()],
+        )
         trainer.fit()
     else:
         engine, data, *_ = kiln.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), data)

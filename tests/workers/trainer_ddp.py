@@ -24,13 +24,28 @@ class Record(kiln.Callback):
         losses.append(float(state.loss))
 
 
-trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), max_duration="2ep",
-                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                       callbacks=[Record()], loggers=[FileLogger(f"{out}/log.jsonl")], seed=11, progress_bar=False)
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+    max_duration="2ep",
+    optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+    criterion=nn.CrossEntropyLoss(),
+    callbacks=[Record()],
+    loggers=[FileLogger(f"{out}/log.jsonl")],
+    seed=11,
+    progress_bar=False,
+)
 trainer.fit()
 ts = trainer.state.timestamp
 with open(f"{out}/rank{ctx.rank}.json", "w") as f:
-    json.dump({"losses": losses, "samples": ts.sample.value, "batches": ts.batch.value,
-               "order": list(trainer.train_dataloader.sampler),
-               "weights": {k: v.tolist() for k, v in kiln.parallel.full_model_state_dict(trainer.engine.model).items()}}, f)
+    json.dump(
+        {
+            "losses": losses,
+            "samples": ts.sample.value,
+            "batches": ts.batch.value,
+            "order": list(trainer.train_dataloader.sampler),
+            "weights": {k: v.tolist() for k, v in kiln.parallel.full_model_state_dict(trainer.engine.model).items()},
+        },
+        f,
+    )
 torch.distributed.destroy_process_group()

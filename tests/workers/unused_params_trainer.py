@@ -33,12 +33,22 @@ model = nn.Sequential(nn.Linear(8, 16), Block(), Block(), Block(), nn.Linear(16,
 g = torch.Generator().manual_seed(1)
 x = torch.randn(128, 8, generator=g)
 data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
-algorithms = {"stochastic_depth": lambda: kiln.algorithms.StochasticDepth("Block", drop_rate=0.5, seed=3),
-              "layer_freezing": lambda: kiln.algorithms.LayerFreezing(freeze_start=0.5, freeze_level=0.6)}
+algorithms = {
+    "stochastic_depth": lambda: kiln.algorithms.StochasticDepth("Block", drop_rate=0.5, seed=3),
+    "layer_freezing": lambda: kiln.algorithms.LayerFreezing(freeze_start=0.5, freeze_level=0.6),
+}
 # global batch 16 on any world size: the sampler interleaves ranks, so 2 ranks see what 1 rank sees
-trainer = kiln.Trainer(model, train_dataloader=torch.utils.data.DataLoader(data, batch_size=16 // ctx.world_size), max_duration="2ep",
-                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
-                       algorithms=[algorithms[algorithm]()], strategy=strategy, seed=0, progress_bar=False)
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=16 // ctx.world_size),
+    max_duration="2ep",
+    optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+    criterion=nn.CrossEntropyLoss(),
+    algorithms=[algorithms[algorithm]()],
+    strategy=strategy,
+    seed=0,
+    progress_bar=False,
+)
 trainer.fit()
 weights = kiln.parallel.full_model_state_dict(trainer.engine)
 torch.save({"weights": weights, "batches": trainer.state.timestamp.batch.value}, f"{out}/rank{ctx.rank}.pt")

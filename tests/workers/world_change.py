@@ -38,10 +38,19 @@ class Record(kiln.Callback):
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.arange(50, dtype=torch.float32)[:, None], torch.zeros(50, dtype=torch.long))
-trainer = kiln.Trainer(nn.Linear(1, 2), train_dataloader=torch.utils.data.DataLoader(data, batch_size=3, shuffle=True), max_duration="2ep",
-                       optimizers=None, criterion=nn.CrossEntropyLoss(), callbacks=[Record()], seed=5,
-                       save_folder=f"{args.out}/ckpt", save_interval="3ba", autoresume=args.autoresume,
-                       progress_bar=False)
+trainer = kiln.Trainer(
+    nn.Linear(1, 2),
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=3, shuffle=True),
+    max_duration="2ep",
+    optimizers=None,
+    criterion=nn.CrossEntropyLoss(),
+    callbacks=[Record()],
+    seed=5,
+    save_folder=f"{args.out}/ckpt",
+    save_interval="3ba",
+    autoresume=args.autoresume,
+    progress_bar=False,
+)
 trainer.fit()
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()

@@ -24,8 +24,10 @@ def get_item(batch: Any, key: Key) -> Any:
         return batch[key]
     except (KeyError, IndexError, TypeError):
         kind = f"dict with keys {sorted(batch)}" if isinstance(batch, Mapping) else type(batch).__name__
-        raise ValueError(f"cannot read key {key!r} of the batch ({kind}); set input_key/target_key to where "
-                         "the inputs and targets are (0 and 1 for an (inputs, targets) tuple)") from None
+        raise ValueError(
+            f"cannot read key {key!r} of the batch ({kind}); set input_key/target_key to where "
+            "the inputs and targets are (0 and 1 for an (inputs, targets) tuple)"
+        ) from None
 
 
 def set_item(batch: Any, key: Key, value: Any) -> Any:
@@ -41,8 +43,10 @@ def set_item(batch: Any, key: Key, value: Any) -> Any:
         get_item(batch, key)  # same error as reading a missing key
         items[key] = value  # type: ignore[index]  # get_item refused a key that a list cannot take
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
-    raise ValueError(f"cannot replace key {key!r} in a batch of type {type(batch).__name__}; "
-                     "expected an (inputs, targets) tuple/list or a dict of tensors")
+    raise ValueError(
+        f"cannot replace key {key!r} in a batch of type {type(batch).__name__}; "
+        "expected an (inputs, targets) tuple/list or a dict of tensors"
+    )
 
 
 def map_tensors(batch: Any, fn: Any) -> Any:
@@ -51,7 +55,8 @@ def map_tensors(batch: Any, fn: Any) -> Any:
         return fn(batch)
     if isinstance(batch, Mapping):
         return type(batch)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-            {k: map_tensors(v, fn) for k, v in batch.items()})
+            {k: map_tensors(v, fn) for k, v in batch.items()}
+        )
     if isinstance(batch, (tuple, list)):
         items = [map_tensors(v, fn) for v in batch]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)

@@ -32,5 +32,7 @@ def compute_loss(state: State, outputs: Any, batch: Any) -> Any:
         return state.model.loss(outputs, batch)
     if state.engine is not None:
         return state.engine.criterion(outputs, batch[1])
-    raise RuntimeError("this algorithm needs the run's loss: set state.loss_fn(outputs, batch) "
-                       "(the Trainer does), or use a kiln.Model or an Engine with a criterion")
+    raise RuntimeError(
+        "this algorithm needs the run's loss: set state.loss_fn(outputs, batch) "
+        "(the Trainer does), or use a kiln.Model or an Engine with a criterion"
+    )

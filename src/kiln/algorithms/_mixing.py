@@ -25,8 +25,10 @@ def soft_targets(targets: torch.Tensor, num_classes: int, dtype: torch.dtype) ->
     if targets.is_floating_point() and targets.dim() >= 2:
         return targets.to(dtype)
     if targets.is_floating_point():
-        raise ValueError(f"targets of shape {tuple(targets.shape)} and dtype {targets.dtype} are neither class "
-                         "indices (an integer tensor) nor class probabilities of shape (N, num_classes)")
+        raise ValueError(
+            f"targets of shape {tuple(targets.shape)} and dtype {targets.dtype} are neither class "
+            "indices (an integer tensor) nor class probabilities of shape (N, num_classes)"
+        )
     return F.one_hot(targets.long(), num_classes).to(dtype)
 
 
@@ -38,15 +40,25 @@ class MixingAlgorithm(SeededAlgorithm):
     the loss by ``lam * loss + (1 - lam) * loss(permuted targets)``.
     """
 
-    def __init__(self, alpha: float, num_classes: int | None, interpolate_loss: bool, input_key: Key,
-                 target_key: Key, seed: int | None) -> None:
+    def __init__(
+        self,
+        alpha: float,
+        num_classes: int | None,
+        interpolate_loss: bool,
+        input_key: Key,
+        target_key: Key,
+        seed: int | None,
+    ) -> None:
         super().__init__(seed)
         if not alpha > 0:
-            raise ValueError(f"{type(self).__name__}(alpha={alpha!r}): alpha must be > 0 "
-                             "(it parameterises Beta(alpha, alpha))")
+            raise ValueError(
+                f"{type(self).__name__}(alpha={alpha!r}): alpha must be > 0 (it parameterises Beta(alpha, alpha))"
+            )
         if num_classes is not None and num_classes < 2:
-            raise ValueError(f"{type(self).__name__}(num_classes={num_classes!r}): need at least 2 classes, or None to "
-                             "take the number from the model's outputs")
+            raise ValueError(
+                f"{type(self).__name__}(num_classes={num_classes!r}): need at least 2 classes, or None to "
+                "take the number from the model's outputs"
+            )
         self.alpha = alpha
         self.num_classes = num_classes
         self.interpolate_loss = interpolate_loss
@@ -61,8 +73,9 @@ class MixingAlgorithm(SeededAlgorithm):
     def interpolates_loss(self) -> bool:
         return self.interpolate_loss
 
-    def mix_inputs(self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float,
-                   generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    def mix_inputs(
+        self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, float]:
         """Return mixed inputs and the weight of each sample's own content in them."""
         raise NotImplementedError
 
@@ -109,8 +122,10 @@ class MixingAlgorithm(SeededAlgorithm):
         num_classes = self.num_classes
         if num_classes is None:
             if not isinstance(outputs, torch.Tensor):
-                raise ValueError(f"{type(self).__name__} cannot infer num_classes from outputs of type "
-                                 f"{type(outputs).__name__}; pass num_classes=")
+                raise ValueError(
+                    f"{type(self).__name__} cannot infer num_classes from outputs of type "
+                    f"{type(outputs).__name__}; pass num_classes="
+                )
             num_classes = outputs.shape[-1]
         dtype = outputs.dtype if isinstance(outputs, torch.Tensor) and outputs.is_floating_point() else torch.float32
         soft = soft_targets(targets, num_classes, dtype)

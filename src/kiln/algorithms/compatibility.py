@@ -38,30 +38,38 @@ def check_algorithm_compatibility(algorithms: Sequence[Algorithm]) -> None:
     algorithms = list(algorithms)
     for algorithm in algorithms:
         if not isinstance(algorithm, Algorithm):
-            raise TypeError(f"algorithms must be kiln.Algorithm instances, got "
-                            f"{type(algorithm).__name__} {algorithm!r}")
+            raise TypeError(
+                f"algorithms must be kiln.Algorithm instances, got {type(algorithm).__name__} {algorithm!r}"
+            )
     order = _names(algorithms)
 
     interpolating = [a for a in algorithms if a.interpolates_loss]
     if len(interpolating) > 1:
-        raise ValueError(f"only one loss-interpolating algorithm may run, got {_names(interpolating)} in {order}; "
-                         "set interpolate_loss=False on all but one (mixed soft targets compose freely)")
+        raise ValueError(
+            f"only one loss-interpolating algorithm may run, got {_names(interpolating)} in {order}; "
+            "set interpolate_loss=False on all but one (mixed soft targets compose freely)"
+        )
 
     seen: dict[type, int] = {}
     for algorithm in algorithms:
         kind = type(algorithm)
         if kind.__module__.startswith("kiln.algorithms.") and kind in seen:
-            raise ValueError(f"{kind.__name__} appears twice in {order}; keep one "
-                             "(each kiln algorithm runs at most once)")
+            raise ValueError(
+                f"{kind.__name__} appears twice in {order}; keep one (each kiln algorithm runs at most once)"
+            )
         seen.setdefault(kind, len(seen))
 
     def first(kind: type) -> int | None:
         return next((i for i, a in enumerate(algorithms) if isinstance(a, kind)), None)
 
     if first(EMA) is not None and first(SWA) is not None:
-        raise ValueError(f"EMA and SWA cannot run together in {order}: both replace the weights the model is "
-                         "evaluated with; choose one")
+        raise ValueError(
+            f"EMA and SWA cannot run together in {order}: both replace the weights the model is "
+            "evaluated with; choose one"
+        )
     sam = first(SAM)
     if sam is not None and interpolating:
-        raise ValueError(f"SAM cannot run with {type(interpolating[0]).__name__}(interpolate_loss=True) in {order}: "
-                         "SAM's second pass computes state.loss_fn only; use interpolate_loss=False")
+        raise ValueError(
+            f"SAM cannot run with {type(interpolating[0]).__name__}(interpolate_loss=True) in {order}: "
+            "SAM's second pass computes state.loss_fn only; use interpolate_loss=False"
+        )

@@ -36,13 +36,22 @@ class CutMix(MixingAlgorithm):
         algorithms = [kiln.algorithms.CutMix(alpha=1.0)]
     """
 
-    def __init__(self, alpha: float = 1.0, num_classes: int | None = None, interpolate_loss: bool = False, *,
-                 input_key: Key = 0, target_key: Key = 1, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        num_classes: int | None = None,
+        interpolate_loss: bool = False,
+        *,
+        input_key: Key = 0,
+        target_key: Key = 1,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(alpha, num_classes, interpolate_loss, input_key, target_key, seed)
         self.box: tuple[int, int, int, int] | None = None
 
-    def mix_inputs(self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float,
-                   generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    def mix_inputs(
+        self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, float]:
         if inputs.dim() < 3:
             raise ValueError(f"CutMix needs images shaped (N, ..., H, W), got inputs of shape {tuple(inputs.shape)}")
         height, width = inputs.shape[-2], inputs.shape[-1]

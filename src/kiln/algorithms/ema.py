@@ -49,8 +49,13 @@ class EMA(Algorithm):
         ema.copy_to(model)   # keep the averaged weights after training
     """
 
-    def __init__(self, half_life: str | Time | None = "1000ba", smoothing: float | None = None,
-                 ema_start: str | Time = "0.0dur", update_interval: str | Time | None = None) -> None:
+    def __init__(
+        self,
+        half_life: str | Time | None = "1000ba",
+        smoothing: float | None = None,
+        ema_start: str | Time = "0.0dur",
+        update_interval: str | Time | None = None,
+    ) -> None:
         if smoothing is None and half_life is None:
             raise ValueError("EMA needs half_life= (e.g. '1000ba') or smoothing= (e.g. 0.999)")
         if smoothing is not None:
@@ -62,14 +67,16 @@ class EMA(Algorithm):
             half = Time.from_input(half_life, TimeUnit.BATCH)
             interval = Time.from_input(update_interval or Time(1, half.unit), TimeUnit.BATCH)
             if half.unit != interval.unit:
-                raise ValueError(f"EMA(half_life={half}, update_interval={interval}): both must be in the same "
-                                 "unit ('ba' or 'ep')")
+                raise ValueError(
+                    f"EMA(half_life={half}, update_interval={interval}): both must be in the same unit ('ba' or 'ep')"
+                )
             if half.value <= 0:
                 raise ValueError(f"EMA(half_life={half}): half_life must be positive")
             smoothing = 2.0 ** -(interval.value / half.value)
         if interval.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or interval.value < 1:
-            raise ValueError(f"EMA(update_interval={interval}): must be a positive number of batches ('1ba') "
-                             "or epochs ('1ep')")
+            raise ValueError(
+                f"EMA(update_interval={interval}): must be a positive number of batches ('1ba') or epochs ('1ep')"
+            )
         self.smoothing = float(smoothing)
         self.update_interval = interval
         self.ema_start = Time.from_input(ema_start, TimeUnit.EPOCH)

@@ -77,8 +77,11 @@ class LowPrecisionLayerNorm(Algorithm):
     def apply(self, event: Event, state: State, logger: Any) -> None:
         self._done = True
         if state.precision is not None and getattr(state.precision, "autocast_dtype", "?") is None:
-            warnings.warn(f"LowPrecisionLayerNorm does nothing under precision {state.precision!r}: it needs autocast "
-                          "(precision='amp_bf16' or 'amp_fp16')", stacklevel=2)
+            warnings.warn(
+                f"LowPrecisionLayerNorm does nothing under precision {state.precision!r}: it needs autocast "
+                "(precision='amp_bf16' or 'amp_fp16')",
+                stacklevel=2,
+            )
             return
         subclass = _CLASSES[self.precision]
         for module in state.model.modules():

@@ -36,10 +36,19 @@ class MixUp(MixingAlgorithm):
                                algorithms=[kiln.algorithms.MixUp(alpha=0.2)])
     """
 
-    def __init__(self, alpha: float = 0.2, num_classes: int | None = None, interpolate_loss: bool = False, *,
-                 input_key: Key = 0, target_key: Key = 1, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        num_classes: int | None = None,
+        interpolate_loss: bool = False,
+        *,
+        input_key: Key = 0,
+        target_key: Key = 1,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(alpha, num_classes, interpolate_loss, input_key, target_key, seed)
 
-    def mix_inputs(self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float,
-                   generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    def mix_inputs(
+        self, inputs: torch.Tensor, permutation: torch.Tensor, lam: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, float]:
         return lam * inputs + (1.0 - lam) * inputs[permutation], lam

@@ -55,18 +55,33 @@ class ProgressiveResizing(SeededAlgorithm):
         algorithms = [kiln.algorithms.ProgressiveResizing(initial_scale=0.5, finetune_fraction=0.2)]
     """
 
-    def __init__(self, mode: str = "resize", initial_scale: float = 0.5, finetune_fraction: float = 0.2,
-                 delay_fraction: float = 0.5, size_increment: int = 4, resize_targets: bool = False, *,
-                 input_key: Key = 0, target_key: Key = 1, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        mode: str = "resize",
+        initial_scale: float = 0.5,
+        finetune_fraction: float = 0.2,
+        delay_fraction: float = 0.5,
+        size_increment: int = 4,
+        resize_targets: bool = False,
+        *,
+        input_key: Key = 0,
+        target_key: Key = 1,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(seed)
         if mode not in ("resize", "crop"):
             raise ValueError(f"ProgressiveResizing(mode={mode!r}): expected 'resize' or 'crop'")
         if not 0.0 < initial_scale <= 1.0:
             raise ValueError(f"ProgressiveResizing(initial_scale={initial_scale!r}): must be in (0, 1]")
-        if not (0.0 <= finetune_fraction <= 1.0 and 0.0 <= delay_fraction <= 1.0
-                and finetune_fraction + delay_fraction <= 1.0):
-            raise ValueError(f"ProgressiveResizing(finetune_fraction={finetune_fraction!r}, delay_fraction="
-                             f"{delay_fraction!r}): both must be in [0, 1] and sum to at most 1")
+        if not (
+            0.0 <= finetune_fraction <= 1.0
+            and 0.0 <= delay_fraction <= 1.0
+            and finetune_fraction + delay_fraction <= 1.0
+        ):
+            raise ValueError(
+                f"ProgressiveResizing(finetune_fraction={finetune_fraction!r}, delay_fraction="
+                f"{delay_fraction!r}): both must be in [0, 1] and sum to at most 1"
+            )
         if size_increment < 1:
             raise ValueError(f"ProgressiveResizing(size_increment={size_increment!r}): must be >= 1")
         self.mode = mode
@@ -112,10 +127,11 @@ class ProgressiveResizing(SeededAlgorithm):
 
     def _change(self, tensor: torch.Tensor, size: tuple[int, int], top: int, left: int) -> torch.Tensor:
         if self.mode == "crop":
-            return tensor[..., top:top + size[0], left:left + size[1]]
+            return tensor[..., top : top + size[0], left : left + size[1]]
         if tensor.is_floating_point():
-            return F.interpolate(tensor if tensor.dim() == 4 else tensor.unsqueeze(1), size=size, mode="bilinear",
-                                 align_corners=False).reshape(*tensor.shape[:-2], *size)
+            return F.interpolate(
+                tensor if tensor.dim() == 4 else tensor.unsqueeze(1), size=size, mode="bilinear", align_corners=False
+            ).reshape(*tensor.shape[:-2], *size)
         # Class masks must keep whole class ids: nearest neighbour, computed in float and cast back.
         spatial = tensor.unsqueeze(1).float() if tensor.dim() == 3 else tensor.float()
         return F.interpolate(spatial, size=size, mode="nearest").to(tensor.dtype).reshape(*tensor.shape[:-2], *size)

@@ -55,9 +55,17 @@ class SelectiveBackprop(Algorithm):
         algorithms = [kiln.algorithms.SelectiveBackprop(start=0.5, end=0.9, keep=0.5)]
     """
 
-    def __init__(self, start: float = 0.5, end: float = 0.9, keep: float = 0.5, scale_factor: float = 1.0,
-                 interrupt: int = 2, per_sample_loss: Callable[[Any, Any], torch.Tensor] | None = None, *,
-                 input_key: Key = 0) -> None:
+    def __init__(
+        self,
+        start: float = 0.5,
+        end: float = 0.9,
+        keep: float = 0.5,
+        scale_factor: float = 1.0,
+        interrupt: int = 2,
+        per_sample_loss: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        input_key: Key = 0,
+    ) -> None:
         if not 0.0 <= start <= end <= 1.0:
             raise ValueError(f"SelectiveBackprop(start={start!r}, end={end!r}): need 0 <= start <= end <= 1")
         if not 0.0 < keep <= 1.0:
@@ -98,8 +106,11 @@ class SelectiveBackprop(Algorithm):
         scoring = batch
         if self.scale_factor < 1.0:
             inputs = get_item(batch, self.input_key)
-            scoring = set_item(batch, self.input_key, F.interpolate(inputs, scale_factor=self.scale_factor,
-                                                                    mode="bilinear", align_corners=False))
+            scoring = set_item(
+                batch,
+                self.input_key,
+                F.interpolate(inputs, scale_factor=self.scale_factor, mode="bilinear", align_corners=False),
+            )
         module = state.engine.model if state.engine is not None else state.model
         was_training = module.training
         module.eval()
@@ -122,5 +133,6 @@ def _per_sample(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, batch
         dims = map_tensors(batch, lambda t: 0 if t.dim() and t.shape[0] == size else None)
         return torch.func.vmap(lambda o, b: loss_fn(one(o), map_tensors(b, one)), in_dims=(0, dims))(outputs, batch)
     except Exception:  # noqa: BLE001 -- a loss vmap cannot trace (.item(), data-dependent shapes): one by one
-        return torch.stack([loss_fn(outputs[i:i + 1], index_batch(batch, torch.tensor([i]))).reshape(())
-                            for i in range(size)])
+        return torch.stack(
+            [loss_fn(outputs[i : i + 1], index_batch(batch, torch.tensor([i]))).reshape(()) for i in range(size)]
+        )

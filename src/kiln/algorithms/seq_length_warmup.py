@@ -30,8 +30,10 @@ def _sequence_length(batch: Any) -> int:
     else:
         first = batch[0]
     if not isinstance(first, torch.Tensor) or first.dim() < 2:
-        raise ValueError("SeqLengthWarmup needs token batches shaped (N, L): a dict with input_ids or a tuple whose "
-                         f"first item is such a tensor, got {type(first).__name__}")
+        raise ValueError(
+            "SeqLengthWarmup needs token batches shaped (N, L): a dict with input_ids or a tuple whose "
+            f"first item is such a tensor, got {type(first).__name__}"
+        )
     return int(first.shape[1])
 
 
@@ -58,13 +60,21 @@ class SeqLengthWarmup(Algorithm):
         algorithms = [kiln.algorithms.SeqLengthWarmup(duration=0.3, min_seq_length=64, max_seq_length=1024)]
     """
 
-    def __init__(self, duration: float = 0.3, min_seq_length: int = 8, max_seq_length: int = 1024,
-                 step_size: int = 8, truncate: bool = True) -> None:
+    def __init__(
+        self,
+        duration: float = 0.3,
+        min_seq_length: int = 8,
+        max_seq_length: int = 1024,
+        step_size: int = 8,
+        truncate: bool = True,
+    ) -> None:
         if not 0.0 <= duration <= 1.0:
             raise ValueError(f"SeqLengthWarmup(duration={duration!r}): must be a fraction of training in [0, 1]")
         if not 0 < min_seq_length <= max_seq_length:
-            raise ValueError(f"SeqLengthWarmup(min_seq_length={min_seq_length!r}, max_seq_length={max_seq_length!r}): "
-                             "need 0 < min_seq_length <= max_seq_length")
+            raise ValueError(
+                f"SeqLengthWarmup(min_seq_length={min_seq_length!r}, max_seq_length={max_seq_length!r}): "
+                "need 0 < min_seq_length <= max_seq_length"
+            )
         if step_size < 1:
             raise ValueError(f"SeqLengthWarmup(step_size={step_size!r}): must be >= 1")
         self.duration = duration
@@ -81,8 +91,9 @@ class SeqLengthWarmup(Algorithm):
         elapsed = state.get_elapsed_duration()
         if elapsed is None:
             raise ValueError("SeqLengthWarmup needs the run's max_duration to know how far training is")
-        self.seq_length = warmup_seq_length(elapsed, self.duration, self.min_seq_length, self.max_seq_length,
-                                            self.step_size)
+        self.seq_length = warmup_seq_length(
+            elapsed, self.duration, self.min_seq_length, self.max_seq_length, self.step_size
+        )
         full = _sequence_length(state.batch)
         if self.seq_length >= full:
             return
@@ -102,5 +113,6 @@ class SeqLengthWarmup(Algorithm):
 
         if isinstance(batch, Mapping):
             return type(batch)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-                {k: cut(v) for k, v in batch.items()})
+                {k: cut(v) for k, v in batch.items()}
+            )
         return type(batch)(cut(v) for v in batch)

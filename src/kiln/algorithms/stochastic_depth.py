@@ -21,6 +21,7 @@ Selector = str | type | Callable[[str, nn.Module], bool]
 _SUBCLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 if TYPE_CHECKING:
+
     class _Patched(nn.Module):
         """What a patched block carries (for the type checker: no block is an instance of it)."""
 
@@ -57,17 +58,21 @@ def _check_shape(block: _Patched, x: torch.Tensor, out: Any) -> None:
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         name = type(block)._kiln_base_class.__name__
-        raise ValueError(f"StochasticDepth cannot skip {name}: it maps {tuple(x.shape)} to {shape}; "
-                         "choose blocks whose output has the shape of their input (no downsampling)")
+        raise ValueError(
+            f"StochasticDepth cannot skip {name}: it maps {tuple(x.shape)} to {shape}; "
+            "choose blocks whose output has the shape of their input (no downsampling)"
+        )
 
 
 def _stochastic_class(cls: type[nn.Module]) -> type[nn.Module]:
     # A subclass per block class, swapped in with __class__: parameters, state_dict keys and the
     # optimizer's references stay exactly as they were.
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Stochastic{cls.__name__}", (cls,),
-                                {"forward": _stochastic_forward, "_kiln_base_forward": cls.forward,
-                                 "_kiln_base_class": cls})
+        _SUBCLASSES[cls] = type(
+            f"Stochastic{cls.__name__}",
+            (cls,),
+            {"forward": _stochastic_forward, "_kiln_base_forward": cls.forward, "_kiln_base_class": cls},
+        )
     return _SUBCLASSES[cls]
 
 
@@ -110,15 +115,23 @@ class StochasticDepth(SeededAlgorithm):
 
     find_unused_parameters = True  # skipped or frozen layers get no gradient: DDP must not wait for them
 
-    def __init__(self, target_layer_name: Selector, stochastic_method: str = "block", drop_rate: float = 0.2,
-                 drop_distribution: str = "linear", drop_warmup: str | Time = "0.0dur", *,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        target_layer_name: Selector,
+        stochastic_method: str = "block",
+        drop_rate: float = 0.2,
+        drop_distribution: str = "linear",
+        drop_warmup: str | Time = "0.0dur",
+        *,
+        seed: int | None = None,
+    ) -> None:
         super().__init__(seed)
         if stochastic_method not in ("block", "sample"):
             raise ValueError(f"StochasticDepth(stochastic_method={stochastic_method!r}): expected 'block' or 'sample'")
         if drop_distribution not in ("linear", "uniform"):
-            raise ValueError(f"StochasticDepth(drop_distribution={drop_distribution!r}): "
-                             "expected 'linear' or 'uniform'")
+            raise ValueError(
+                f"StochasticDepth(drop_distribution={drop_distribution!r}): expected 'linear' or 'uniform'"
+            )
         if not 0.0 <= drop_rate <= 1.0:
             raise ValueError(f"StochasticDepth(drop_rate={drop_rate!r}): must be a probability in [0, 1]")
         self.target_layer_name = target_layer_name
@@ -149,8 +162,10 @@ class StochasticDepth(SeededAlgorithm):
                 chosen.append((name, module))
         if not chosen:
             kinds = sorted({type(m).__name__ for m in state.model.modules()})
-            raise ValueError(f"StochasticDepth(target_layer_name={self.target_layer_name!r}) matched no module; the "
-                             f"model has {', '.join(kinds[:20])}")
+            raise ValueError(
+                f"StochasticDepth(target_layer_name={self.target_layer_name!r}) matched no module; the "
+                f"model has {', '.join(kinds[:20])}"
+            )
         generator = self.generator(state)
         for _, module in chosen:
             module.__class__ = _stochastic_class(type(module))

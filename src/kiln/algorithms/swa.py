@@ -44,18 +44,26 @@ class SWA(Algorithm):
         trainer = kiln.Trainer(model, ..., max_duration="40ep", algorithms=[swa])
     """
 
-    def __init__(self, swa_start: str | Time = "0.7dur", swa_end: str | Time = "0.97dur",
-                 update_interval: str | Time = "1ep", swa_lr: float | None = None, anneal_epochs: int = 10,
-                 anneal_strategy: str = "linear") -> None:
+    def __init__(
+        self,
+        swa_start: str | Time = "0.7dur",
+        swa_end: str | Time = "0.97dur",
+        update_interval: str | Time = "1ep",
+        swa_lr: float | None = None,
+        anneal_epochs: int = 10,
+        anneal_strategy: str = "linear",
+    ) -> None:
         self.swa_start = Time.from_input(swa_start, TimeUnit.EPOCH)
         self.swa_end = Time.from_input(swa_end, TimeUnit.EPOCH)
         if self.swa_start.unit == self.swa_end.unit and self.swa_end < self.swa_start:
-            raise ValueError(f"SWA(swa_start={self.swa_start}, swa_end={self.swa_end}): "
-                             "swa_end must not come before swa_start")
+            raise ValueError(
+                f"SWA(swa_start={self.swa_start}, swa_end={self.swa_end}): swa_end must not come before swa_start"
+            )
         self.update_interval = Time.from_input(update_interval, TimeUnit.EPOCH)
         if self.update_interval.unit not in (TimeUnit.BATCH, TimeUnit.EPOCH) or self.update_interval.value < 1:
-            raise ValueError(f"SWA(update_interval={self.update_interval}): "
-                             "must be a positive number of batches or epochs")
+            raise ValueError(
+                f"SWA(update_interval={self.update_interval}): must be a positive number of batches or epochs"
+            )
         if anneal_strategy not in ("linear", "cos"):
             raise ValueError(f"SWA(anneal_strategy={anneal_strategy!r}): expected 'linear' or 'cos'")
         if swa_lr is not None and swa_lr < 0:
@@ -105,8 +113,9 @@ class SWA(Algorithm):
     @staticmethod
     @torch.no_grad()
     def _copy_average(averaged: AveragedModel, model: torch.nn.Module) -> None:
-        for target, source in zip([*model.parameters(), *model.buffers()],
-                                  [*averaged.module.parameters(), *averaged.module.buffers()]):
+        for target, source in zip(
+            [*model.parameters(), *model.buffers()], [*averaged.module.parameters(), *averaged.module.buffers()]
+        ):
             target.copy_(source)
 
     def _set_lr(self, state: State, num_updates: int) -> None:

@@ -23,8 +23,16 @@ from kiln.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
 from kiln.callbacks.speed_monitor import SpeedMonitor
 from kiln.callbacks.threshold_stopper import ThresholdStopper
 
-__all__ = ["SpeedMonitor", "MemoryMonitor", "LRMonitor", "EarlyStopper", "ThresholdStopper", "NaNMonitor",
-           "NonFiniteLossError", "CheckpointSaver"]
+__all__ = [
+    "SpeedMonitor",
+    "MemoryMonitor",
+    "LRMonitor",
+    "EarlyStopper",
+    "ThresholdStopper",
+    "NaNMonitor",
+    "NonFiniteLossError",
+    "CheckpointSaver",
+]
 
 _LAZY = {"CheckpointSaver": "kiln.checkpoint"}
 

@@ -17,10 +17,20 @@ __all__ = ["metric_key", "read_metric", "comparison", "lower_is_better", "improv
 _LOWER_IS_BETTER = ("loss", "error", "perplexity", "mse", "mae", "crossentropy")
 
 _COMPARISONS: dict[str, Callable[[Any, Any], bool]] = {
-    "min": operator.lt, "lt": operator.lt, "less": operator.lt, "<": operator.lt,
-    "max": operator.gt, "gt": operator.gt, "greater": operator.gt, ">": operator.gt,
-    "le": operator.le, "less_equal": operator.le, "<=": operator.le,
-    "ge": operator.ge, "greater_equal": operator.ge, ">=": operator.ge,
+    "min": operator.lt,
+    "lt": operator.lt,
+    "less": operator.lt,
+    "<": operator.lt,
+    "max": operator.gt,
+    "gt": operator.gt,
+    "greater": operator.gt,
+    ">": operator.gt,
+    "le": operator.le,
+    "less_equal": operator.le,
+    "<=": operator.le,
+    "ge": operator.ge,
+    "greater_equal": operator.ge,
+    ">=": operator.ge,
 }
 
 
@@ -37,8 +47,10 @@ def comparison(comp: str | Callable[[Any, Any], Any] | None, monitor: str, owner
         return lambda value, reference: bool(comp(value, reference))
     if isinstance(comp, str) and comp.lower() in _COMPARISONS:
         return _COMPARISONS[comp.lower()]
-    raise ValueError(f"{owner}: unknown comparison {comp!r}; use one of {sorted(_COMPARISONS)}, a callable "
-                     f"comp(value, reference) -> bool, or None to choose from the metric name")
+    raise ValueError(
+        f"{owner}: unknown comparison {comp!r}; use one of {sorted(_COMPARISONS)}, a callable "
+        f"comp(value, reference) -> bool, or None to choose from the metric name"
+    )
 
 
 def metric_key(monitor: str, dataloader_label: str) -> str:
@@ -62,8 +74,10 @@ def read_metric(state: State, monitor: str, dataloader_label: str, owner: str) -
             if key.startswith("train/") and isinstance(value, torch.Tensor) and getattr(state, "world_size", 1) > 1:
                 value = _rank_mean(value)
             return float(value.item() if hasattr(value, "item") else value)
-    raise KeyError(f"{owner}: no metric {metric_key(monitor, dataloader_label)!r} in state.metrics "
-                   f"(recorded: {sorted(metrics) or 'none'}); check `monitor` and `dataloader_label`")
+    raise KeyError(
+        f"{owner}: no metric {metric_key(monitor, dataloader_label)!r} in state.metrics "
+        f"(recorded: {sorted(metrics) or 'none'}); check `monitor` and `dataloader_label`"
+    )
 
 
 def _rank_mean(value: torch.Tensor) -> torch.Tensor:

@@ -44,19 +44,29 @@ class EarlyStopper(Callback):
                                callbacks=[kiln.callbacks.EarlyStopper("Accuracy", patience=3)])
     """
 
-    def __init__(self, monitor: str, dataloader_label: str = "eval", patience: int | str | Time = 1,
-                 min_delta: float = 0.0, mode: str | None = None, *,
-                 comp: str | Callable[[Any, Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        dataloader_label: str = "eval",
+        patience: int | str | Time = 1,
+        min_delta: float = 0.0,
+        mode: str | None = None,
+        *,
+        comp: str | Callable[[Any, Any], Any] | None = None,
+    ) -> None:
         if mode is not None and mode not in _MODES:
-            raise ValueError(f"EarlyStopper mode must be 'min', 'max' or None (chosen from the metric name), got {mode!r}")
+            raise ValueError(
+                f"EarlyStopper mode must be 'min', 'max' or None (chosen from the metric name), got {mode!r}"
+            )
         if mode is not None and comp is not None:
             raise ValueError("EarlyStopper takes `mode` or `comp`, not both")
         self.monitor = monitor
         self.dataloader_label = dataloader_label
         self.patience = Time.from_input(patience, TimeUnit.EPOCH)
         if self.patience.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH):
-            raise ValueError(f"EarlyStopper patience must be in epochs or batches (e.g. 2, '2ep', '500ba'), "
-                             f"got {self.patience}")
+            raise ValueError(
+                f"EarlyStopper patience must be in epochs or batches (e.g. 2, '2ep', '500ba'), got {self.patience}"
+            )
         self.min_delta = abs(float(min_delta))
         self._better = comparison(mode or comp, monitor, "EarlyStopper")
         self.best: float | None = None
@@ -91,7 +101,8 @@ class EarlyStopper(Callback):
             state.stop_training(
                 f"EarlyStopper: {metric_key(self.monitor, self.dataloader_label)} has not improved on its best "
                 f"{self.best:.6g} (at {since}) for {waited}{self.patience.unit.value}, more than the patience of "
-                f"{self.patience}; stopping at epoch {timestamp.epoch.value}, batch {timestamp.batch.value}")
+                f"{self.patience}; stopping at epoch {timestamp.epoch.value}, batch {timestamp.batch.value}"
+            )
 
     # -- checkpointed state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

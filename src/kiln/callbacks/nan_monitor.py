@@ -116,8 +116,11 @@ class NaNMonitor(Callback):
         if state.world_size > 1 and dist.is_available() and dist.is_initialized():
             # Every rank gets here at the same batch: agree on the earliest bad batch of any rank,
             # so that all ranks stop together and none waits forever in the next collective.
-            first = (torch.full((), _NONE, dtype=torch.long, device=state.device) if first is None
-                     else first.to(state.device, copy=True))  # a copy: all_reduce works in place
+            first = (
+                torch.full((), _NONE, dtype=torch.long, device=state.device)
+                if first is None
+                else first.to(state.device, copy=True)
+            )  # a copy: all_reduce works in place
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if first is None:
             return
@@ -141,8 +144,10 @@ class NaNMonitor(Callback):
             # 1-based, as people count: the 5th batch of the 3rd epoch.
             where += f" (batch {timestamp.batch_in_epoch.value - back} of epoch {timestamp.epoch.value + 1})"
         shown = f" ({value})" if value is not None else " (on another rank)"
-        message = (f"NaNMonitor: the training loss was not finite{shown} at {where}; check the learning rate, "
-                   f"the input data and the precision (loss scaling for fp16)")
+        message = (
+            f"NaNMonitor: the training loss was not finite{shown} at {where}; check the learning rate, "
+            f"the input data and the precision (loss scaling for fp16)"
+        )
         if self.raise_error:
             raise NonFiniteLossError(message)
         log.warning(message)

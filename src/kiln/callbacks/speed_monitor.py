@@ -80,8 +80,9 @@ class SpeedMonitor(Callback):
         self._peak = self.peak_flops_per_sec or peak_flops_per_sec(state.device, _compute_dtype(state.precision))
 
     def _point(self, timestamp: Timestamp) -> _Point:
-        return _Point(timestamp.total_wct, timestamp.batch.value, timestamp.sample.value, timestamp.token.value,
-                      self._flops)
+        return _Point(
+            timestamp.total_wct, timestamp.batch.value, timestamp.sample.value, timestamp.token.value, self._flops
+        )
 
     def batch_end(self, state: State, logger: Any) -> None:
         flops_per_batch = getattr(state.model, "flops_per_batch", None)

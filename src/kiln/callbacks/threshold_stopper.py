@@ -34,8 +34,14 @@ class ThresholdStopper(Callback):
         trainer = kiln.Trainer(model, ..., max_duration="100ep", callbacks=[stopper])
     """
 
-    def __init__(self, monitor: str, dataloader_label: str, threshold: float,
-                 comp: str | Callable[[Any, Any], Any] | None = None, stop_on_batch: bool = False) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        dataloader_label: str,
+        threshold: float,
+        comp: str | Callable[[Any, Any], Any] | None = None,
+        stop_on_batch: bool = False,
+    ) -> None:
         self.monitor = monitor
         self.dataloader_label = dataloader_label
         self.threshold = float(threshold)
@@ -60,4 +66,5 @@ class ThresholdStopper(Callback):
             timestamp = state.timestamp
             state.stop_training(
                 f"ThresholdStopper: {metric_key(self.monitor, self.dataloader_label)} = {value:.6g} passed the "
-                f"threshold {self.threshold:.6g}; stopping at epoch {timestamp.epoch.value}, batch {timestamp.batch.value}")
+                f"threshold {self.threshold:.6g}; stopping at epoch {timestamp.epoch.value}, batch {timestamp.batch.value}"
+            )

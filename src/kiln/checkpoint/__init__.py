@@ -17,6 +17,13 @@ from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from kiln.checkpoint.saver import CheckpointSaver
 
 __all__ = [
-    "CheckpointError", "CheckpointSaver", "PREEMPTED_EXIT_CODE", "export_safetensors", "inspect_checkpoint",
-    "load_checkpoint", "merge_checkpoint", "save_checkpoint", "verify_checkpoint",
+    "CheckpointError",
+    "CheckpointSaver",
+    "PREEMPTED_EXIT_CODE",
+    "export_safetensors",
+    "inspect_checkpoint",
+    "load_checkpoint",
+    "merge_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
 ]

@@ -12,14 +12,16 @@ while any rank is still writing, and a failure on any rank leaves only a tempora
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.checkpointing import SaveJob
 from kiln.checkpoint.errors import CheckpointError
 
 __all__ = ["AsyncCheckpoint", "start_async_save"]
+
 
 class AsyncCheckpoint:
     """A checkpoint being written in the background; ``wait()`` for it, ``done()`` to poll."""
@@ -55,20 +57,32 @@ class AsyncCheckpoint:
         self._thread.join()
         if self._error is None or isinstance(self._error, CheckpointError):
             return self._error
-        return CheckpointError(self.job.tmp, f"the background save failed ({type(self._error).__name__}: {self._error})",
-                               "check free space and permissions of the save folder; the previous checkpoint is intact")
+        return CheckpointError(
+            self.job.tmp,
+            f"the background save failed ({type(self._error).__name__}: {self._error})",
+            "check free space and permissions of the save folder; the previous checkpoint is intact",
+        )
 
 
-def start_async_save(folder: str | Path, state: Any, save_type: str, *, name: str | None = None,
-                     metrics: dict[str, Any] | None = None, update_last: bool = True,
-                     on_commit: Callable[[Path], None] | None = None) -> AsyncCheckpoint:
+def start_async_save(
+    folder: str | Path,
+    state: Any,
+    save_type: str,
+    *,
+    name: str | None = None,
+    metrics: dict[str, Any] | None = None,
+    update_last: bool = True,
+    on_commit: Callable[[Path], None] | None = None,
+) -> AsyncCheckpoint:
     """Stage ``state`` and write it in the background; every rank calls this at the same point.
 
     ``on_commit(path)`` runs on rank 0 after the commit (retention, the ``best`` link).
     """
     if save_type == "merged":
-        raise ValueError("save_async=True needs save_type 'sharded' or 'deduped'; a merged checkpoint is "
-                         "assembled on rank 0 and cannot be written in the background")
+        raise ValueError(
+            "save_async=True needs save_type 'sharded' or 'deduped'; a merged checkpoint is "
+            "assembled on rank 0 and cannot be written in the background"
+        )
     group = collectives.gloo_group("async-save")  # DCP's collectives run in a background thread
     job = SaveJob(folder, state, save_type, name, metrics)
     future = job.write(state, asynchronous=True, group=group)

@@ -20,16 +20,25 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from kiln.checkpoint import collectives, layout
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.formats import (MERGED_FILE, SAVE_TYPES, check_save_type, read_checkpoint_files, read_merged,
-                                     read_merged_file, read_training_state, write_checkpoint_files)
+from kiln.checkpoint.formats import (
+    MERGED_FILE,
+    SAVE_TYPES,
+    check_save_type,
+    read_checkpoint_files,
+    read_merged,
+    read_merged_file,
+    read_training_state,
+    write_checkpoint_files,
+)
 from kiln.checkpoint.serialization import check_dcp_bytes, read_dcp_metadata
 from kiln.checkpoint.state import run_config
 
@@ -39,8 +48,14 @@ __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
 class SaveJob:
     """One checkpoint being written: its names, its manifest, and the steps of the protocol."""
 
-    def __init__(self, folder: str | os.PathLike, state: Any, save_type: str, name: str | None = None,
-                 metrics: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        state: Any,
+        save_type: str,
+        name: str | None = None,
+        metrics: Mapping[str, Any] | None = None,
+    ) -> None:
         self.folder = Path(folder)
         self.save_type = check_save_type(save_type)
         self.rank, self.world = collectives.rank_and_world()
@@ -65,8 +80,11 @@ class SaveJob:
         except CheckpointError as exc:
             error = exc
         except Exception as exc:  # disk full, permissions, a DCP failure: name the folder
-            error = CheckpointError(self.tmp, f"could not be written ({type(exc).__name__}: {exc})",
-                                    "check free space and permissions of the save folder")
+            error = CheckpointError(
+                self.tmp,
+                f"could not be written ({type(exc).__name__}: {exc})",
+                "check free space and permissions of the save folder",
+            )
         collectives.raise_together(error)
         return None
 
@@ -75,7 +93,7 @@ class SaveJob:
         collectives.barrier()  # every rank's files are complete before anyone lists them
         error, hashes = None, {}
         try:
-            hashes = layout.hash_files(self.tmp, layout.list_files(self.tmp)[self.rank::self.world])
+            hashes = layout.hash_files(self.tmp, layout.list_files(self.tmp)[self.rank :: self.world])
         except OSError as exc:
             error = CheckpointError(self.tmp, f"could not be read back for checksums ({exc})")
         collectives.raise_together(error)
@@ -86,7 +104,9 @@ class SaveJob:
             try:
                 self.commit(files, update_last)
             except OSError as exc:
-                error = CheckpointError(self.final, f"could not be committed ({exc})", "check the save folder is writable")
+                error = CheckpointError(
+                    self.final, f"could not be committed ({exc})", "check the save folder is writable"
+                )
         collectives.raise_together(error)  # also the barrier: everyone returns once it is visible
         return self.final
 
@@ -114,17 +134,33 @@ def _manifest(name: str, state: Any, save_type: str, world: int, metrics: Mappin
             continue
     now = time.time()
     return {
-        "format": layout.FORMAT_NAME, "format_version": layout.FORMAT_VERSION, "name": name,
-        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"), "created_unix": now,
-        "timestamp": state.timestamp.state_dict(), "world_size": world, "strategy": strategy,
-        "save_type": save_type, "metrics": numbers, "run_name": getattr(state, "run_name", None),
+        "format": layout.FORMAT_NAME,
+        "format_version": layout.FORMAT_VERSION,
+        "name": name,
+        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+        "created_unix": now,
+        "timestamp": state.timestamp.state_dict(),
+        "world_size": world,
+        "strategy": strategy,
+        "save_type": save_type,
+        "metrics": numbers,
+        "run_name": getattr(state, "run_name", None),
         "precision": str(getattr(engine, "precision", None)) if engine is not None else None,
-        "config": run_config(state), "torch_version": torch.__version__, "kiln_version": kiln.__version__,
+        "config": run_config(state),
+        "torch_version": torch.__version__,
+        "kiln_version": kiln.__version__,
     }
 
 
-def save_checkpoint(folder: str | os.PathLike, state: Any, save_type: str = "sharded", *, name: str | None = None,
-                    metrics: Mapping[str, Any] | None = None, update_last: bool = True) -> Path:
+def save_checkpoint(
+    folder: str | os.PathLike,
+    state: Any,
+    save_type: str = "sharded",
+    *,
+    name: str | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    update_last: bool = True,
+) -> Path:
     """Write a checkpoint of ``state`` into ``folder``; every rank must call it. Returns its path.
 
     Args:
@@ -144,8 +180,15 @@ def save_checkpoint(folder: str | os.PathLike, state: Any, save_type: str = "sha
     return job.commit_together(update_last)
 
 
-def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.PathLike | None = None,
-                    strict: bool = True, verify: bool = True, restore_rng: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike,
+    state: Any,
+    *,
+    folder: str | os.PathLike | None = None,
+    strict: bool = True,
+    verify: bool = True,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
     """Load a checkpoint into ``state`` for an exact resume; every rank must call it. Returns its manifest.
 
     Args:
@@ -181,7 +224,9 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
         else:
             manifest = layout.read_manifest(resolved)
             if manifest.get("save_type") not in SAVE_TYPES:
-                raise CheckpointError(resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
+                raise CheckpointError(
+                    resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}"
+                )
             layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
     except CheckpointError as exc:
         error = exc
@@ -191,8 +236,11 @@ def load_checkpoint(path: str | os.PathLike, state: Any, *, folder: str | os.Pat
     except CheckpointError as exc:
         error = exc
     except Exception as exc:  # torch's own errors, from deep inside: say which checkpoint and what
-        error = CheckpointError(resolved, f"could not be loaded into this run ({type(exc).__name__}: "
-                                          f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})")
+        error = CheckpointError(
+            resolved,
+            f"could not be loaded into this run ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})",
+        )
     collectives.raise_together(error)
     return manifest
 

@@ -21,29 +21,49 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.layout import check_manifest, write_durably
-from kiln.checkpoint.serialization import (SafeFileSystemReader, SafeLoadPlanner, dcp_failure, read_dcp_metadata,
-                                           safe_torch_load)
-from kiln.checkpoint.state import (load_model_optimizer_state, model_optimizer_state, restore_training_state,
-                                   serialize_training_state)
+from kiln.checkpoint.serialization import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    dcp_failure,
+    read_dcp_metadata,
+    safe_torch_load,
+)
+from kiln.checkpoint.state import (
+    load_model_optimizer_state,
+    model_optimizer_state,
+    restore_training_state,
+    serialize_training_state,
+)
 
-__all__ = ["SAVE_TYPES", "MERGED_FILE", "MERGED_SUFFIXES", "training_state_file", "write_checkpoint_files",
-           "read_checkpoint_files", "read_merged", "read_merged_file", "read_training_state"]
+__all__ = [
+    "SAVE_TYPES",
+    "MERGED_FILE",
+    "MERGED_SUFFIXES",
+    "training_state_file",
+    "write_checkpoint_files",
+    "read_checkpoint_files",
+    "read_merged",
+    "read_merged_file",
+    "read_training_state",
+]
 
 SAVE_TYPES = ("sharded", "deduped", "merged")
 
 # DCP warns on every single-process save and load that it "assumes the intent" is one process;
 # in a world of one that is exactly kiln's intent. A filter (not catch_warnings, which is not
 # thread-safe) because async saves call DCP from a background thread.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 MERGED_FILE = "checkpoint.pt"
 MERGED_SUFFIXES = (".pt", ".pth")  # a checkpoint that is one file (kiln checkpoint merge SRC DST.pt)
 _WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
@@ -67,13 +87,15 @@ def dcp_writer_and_planner(folder: Path, save_type: str) -> tuple[Any, Any]:
     # sync_files: each rank fsyncs what it wrote before DCP reports it done, so the commit that
     # follows never publishes bytes still in a page cache.
     # thread_count: a rank writes (and later hashes) a few files at once, which keeps fast disks busy.
-    writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, overwrite=True,
-                              thread_count=_WRITE_THREADS)
+    writer = FileSystemWriter(
+        folder, single_file_per_rank=True, sync_files=True, overwrite=True, thread_count=_WRITE_THREADS
+    )
     return writer, DefaultSavePlanner(dedup_save_to_lowest_rank=save_type == "deduped")
 
 
-def write_checkpoint_files(folder: Path, state: Any, save_type: str, asynchronous: bool = False,
-                           group: Any = None) -> Any:
+def write_checkpoint_files(
+    folder: Path, state: Any, save_type: str, asynchronous: bool = False, group: Any = None
+) -> Any:
     """Write this rank's part of a checkpoint into ``folder`` (every rank calls this).
 
     ``asynchronous`` (DCP types only): the tensors are copied to CPU memory now and written in the
@@ -102,8 +124,11 @@ def _write_merged(folder: Path, state: Any, training_state: bytes, rank: int) ->
     everyone = collectives.all_gather_object(training_state)
     if rank != 0:
         return
-    merged = {"model": tensors["model"], "optimizer": tensors.get("optimizer"),
-              "ranks": [torch.load(io.BytesIO(b), weights_only=True) for b in everyone]}
+    merged = {
+        "model": tensors["model"],
+        "optimizer": tensors.get("optimizer"),
+        "ranks": [torch.load(io.BytesIO(b), weights_only=True) for b in everyone],
+    }
     with open(folder / MERGED_FILE, "wb") as f:  # straight to the file: no second copy in memory
         torch.save(merged, f)
         f.flush()
@@ -118,10 +143,15 @@ def read_merged(file: Path) -> dict[str, Any]:
 
 def _check_merged(file: Path, merged: Any) -> dict[str, Any]:
     if not isinstance(merged, dict) or not isinstance(merged.get("model"), dict):
-        raise CheckpointError(file, "is not a kiln merged checkpoint (no 'model' dictionary)",
-                              "pass a checkpoint written by kiln (a folder, or a file from `kiln checkpoint merge`)")
+        raise CheckpointError(
+            file,
+            "is not a kiln merged checkpoint (no 'model' dictionary)",
+            "pass a checkpoint written by kiln (a folder, or a file from `kiln checkpoint merge`)",
+        )
     if not isinstance(merged.get("optimizer"), (dict, type(None))):
-        raise CheckpointError(file, f"is damaged: its 'optimizer' is a {type(merged['optimizer']).__name__}, not a dictionary")
+        raise CheckpointError(
+            file, f"is damaged: its 'optimizer' is a {type(merged['optimizer']).__name__}, not a dictionary"
+        )
     ranks = merged.get("ranks")
     if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
         raise CheckpointError(file, "is damaged: 'ranks' is not a list of each rank's training state")
@@ -131,13 +161,19 @@ def _check_merged(file: Path, merged: Any) -> dict[str, Any]:
 def read_merged_file(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(manifest, merged)`` of a checkpoint that is one ``.pt``/``.pth`` file."""
     if file.suffix not in MERGED_SUFFIXES:
-        raise CheckpointError(file, "is a file, not a checkpoint folder",
-                              "pass the folder that holds manifest.json, or a .pt/.pth file from `kiln checkpoint merge` "
-                              "(use `kiln checkpoint inspect` to look inside)")
+        raise CheckpointError(
+            file,
+            "is a file, not a checkpoint folder",
+            "pass the folder that holds manifest.json, or a .pt/.pth file from `kiln checkpoint merge` "
+            "(use `kiln checkpoint inspect` to look inside)",
+        )
     merged = safe_torch_load(file, mmap=True)
     if not isinstance(merged, dict) or "manifest" not in merged:
-        raise CheckpointError(file, "has no 'manifest' entry, so it is not a checkpoint file written by kiln",
-                              "write one with `kiln checkpoint merge SRC DST.pt`")
+        raise CheckpointError(
+            file,
+            "has no 'manifest' entry, so it is not a checkpoint file written by kiln",
+            "write one with `kiln checkpoint merge SRC DST.pt`",
+        )
     manifest = merged["manifest"]
     check_manifest(file, manifest)
     _check_merged(file, merged)
@@ -153,8 +189,14 @@ def read_training_state(file: Path) -> dict[str, Any]:
     return training
 
 
-def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, strict: bool = True,
-                          restore_rng: bool = True, merged: dict[str, Any] | None = None) -> None:
+def read_checkpoint_files(
+    path: Path,
+    manifest: Mapping[str, Any],
+    state: Any,
+    strict: bool = True,
+    restore_rng: bool = True,
+    merged: dict[str, Any] | None = None,
+) -> None:
     """Load the checkpoint ``path`` (a folder, or a merged file whose dictionary is ``merged``) into
     ``state`` (every rank calls this)."""
     rank, world = collectives.rank_and_world()
@@ -163,7 +205,9 @@ def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, s
         file = path if path.is_file() else path / MERGED_FILE
         merged = read_merged(file) if merged is None else merged
         tensors = {"model": merged["model"], "optimizer": merged.get("optimizer")}
-        target = _check_shapes(file, _guarded(file, _flat_shapes, tensors), state, strict, tensors["optimizer"] is not None)
+        target = _check_shapes(
+            file, _guarded(file, _flat_shapes, tensors), state, strict, tensors["optimizer"] is not None
+        )
         _guarded(file, _fill_from_full, target, tensors)
         load_model_optimizer_state(state, target, strict=strict)
         ranks = merged["ranks"]
@@ -180,10 +224,20 @@ def read_checkpoint_files(path: Path, manifest: Mapping[str, Any], state: Any, s
         training, source = read_training_state(file), str(file)
     same_rank = rank < saved_world and world == saved_world
     if restore_rng and not same_rank:
-        warnings.warn(f"{path} was saved by {saved_world} rank(s) and is loaded by {world}; RNG states are not "
-                      "restored, so the resumed run is not bit-exact", stacklevel=3)
-    _guarded(source, restore_training_state, state, training, source, restore_rng=restore_rng and same_rank,
-             same_world=world == saved_world)
+        warnings.warn(
+            f"{path} was saved by {saved_world} rank(s) and is loaded by {world}; RNG states are not "
+            "restored, so the resumed run is not bit-exact",
+            stacklevel=3,
+        )
+    _guarded(
+        source,
+        restore_training_state,
+        state,
+        training,
+        source,
+        restore_rng=restore_rng and same_rank,
+        same_world=world == saved_world,
+    )
 
 
 def _guarded(source: str | Path, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -199,10 +253,12 @@ def _guarded(source: str | Path, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as exc:
         text = str(exc).strip().splitlines()
-        raise CheckpointError(source, f"could not be applied to this run ({type(exc).__name__}: "
-                                      f"{text[0][:300] if text else ''})",
-                              "the file is damaged, or the run differs from the one that saved it (model, "
-                              "schedulers, callbacks); load an earlier checkpoint or build the run as it was saved") from None
+        raise CheckpointError(
+            source,
+            f"could not be applied to this run ({type(exc).__name__}: {text[0][:300] if text else ''})",
+            "the file is damaged, or the run differs from the one that saved it (model, "
+            "schedulers, callbacks); load an earlier checkpoint or build the run as it was saved",
+        ) from None
 
 
 def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
@@ -221,8 +277,9 @@ def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
                 continue  # allowed only with strict=False; _check_shapes has said so otherwise
             value = saved[key]
             if isinstance(current, DTensor):
-                shard = distribute_tensor(value.to(current.device, current.dtype), current.device_mesh,
-                                          current.placements, src_data_rank=None)
+                shard = distribute_tensor(
+                    value.to(current.device, current.dtype), current.device_mesh, current.placements, src_data_rank=None
+                )
                 current.to_local().copy_(shard.to_local())
             elif isinstance(current, torch.Tensor):
                 current.copy_(value)
@@ -235,8 +292,12 @@ def _dcp_load(path: Path, target: dict[str, Any], strict: bool, world: int) -> N
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        load(target, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(allow_partial_load=not strict),
-             no_dist=world == 1)
+        load(
+            target,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(allow_partial_load=not strict),
+            no_dist=world == 1,
+        )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps each rank's failure in a BaseException
@@ -250,8 +311,9 @@ def _flat_shapes(tensors: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
-def _check_shapes(source: Path, saved: Mapping[str, tuple[int, ...]], state: Any, strict: bool,
-                  has_optimizer: bool) -> dict[str, Any]:
+def _check_shapes(
+    source: Path, saved: Mapping[str, tuple[int, ...]], state: Any, strict: bool, has_optimizer: bool
+) -> dict[str, Any]:
     """The load target for ``state``, after checking the saved tensors fit it; one clear error if not.
 
     Shapes are global (a DTensor's ``.shape`` is the full shape), so this holds across strategies.
@@ -261,21 +323,33 @@ def _check_shapes(source: Path, saved: Mapping[str, tuple[int, ...]], state: Any
     target = model_optimizer_state(state, with_optimizer=has_optimizer)
     flat, _ = flatten_state_dict(target)
     wanted = {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
-    wrong = [f"{k} is {list(saved[k])} in the checkpoint but {list(shape)} in the model"
-             for k, shape in wanted.items() if k in saved and saved[k] != shape]
+    wrong = [
+        f"{k} is {list(saved[k])} in the checkpoint but {list(shape)} in the model"
+        for k, shape in wanted.items()
+        if k in saved and saved[k] != shape
+    ]
     problems = wrong[:]
     if strict:
         missing = [k for k in wanted if k not in saved]
         unexpected = [k for k in saved if k.startswith("model.") and k not in wanted]
         if missing:
-            problems.append(f"{len(missing)} tensor(s) the model needs are not in the checkpoint ({', '.join(missing[:3])}"
-                            + (", ..." if len(missing) > 3 else "") + ")")
+            problems.append(
+                f"{len(missing)} tensor(s) the model needs are not in the checkpoint ({', '.join(missing[:3])}"
+                + (", ..." if len(missing) > 3 else "")
+                + ")"
+            )
         if unexpected:
-            problems.append(f"{len(unexpected)} tensor(s) in the checkpoint are not in the model ({', '.join(unexpected[:3])}"
-                            + (", ..." if len(unexpected) > 3 else "") + ")")
+            problems.append(
+                f"{len(unexpected)} tensor(s) in the checkpoint are not in the model ({', '.join(unexpected[:3])}"
+                + (", ..." if len(unexpected) > 3 else "")
+                + ")"
+            )
     if problems:
         more = f" (and {len(problems) - 2} more problems)" if len(problems) > 2 else ""
-        raise CheckpointError(source, "does not fit this model: " + "; ".join(problems[:2]) + more,
-                              "build the model as it was when saved (`kiln checkpoint inspect` lists the saved shapes)"
-                              + ("" if wrong else ", or load with strict=False to skip missing and extra tensors"))
+        raise CheckpointError(
+            source,
+            "does not fit this model: " + "; ".join(problems[:2]) + more,
+            "build the model as it was when saved (`kiln checkpoint inspect` lists the saved shapes)"
+            + ("" if wrong else ", or load with strict=False to skip missing and extra tensors"),
+        )
     return target

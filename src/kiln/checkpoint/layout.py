@@ -26,17 +26,40 @@ import os
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kiln.checkpoint.errors import CheckpointError
 
 __all__ = [
     "check_num_checkpoints_to_keep",
-    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST", "MANIFEST_CHECKSUM", "LINKS", "checkpoint_name", "is_temporary",
-    "temporary_name", "sha256_file", "write_durably", "fsync_dir", "list_files", "hash_files", "write_manifest",
-    "read_manifest", "check_manifest", "commit", "update_link", "link_target", "list_checkpoints", "find_latest",
-    "apply_retention", "remove_checkpoint", "cleanup_temporary", "verify_files", "resolve_checkpoint",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MANIFEST_CHECKSUM",
+    "LINKS",
+    "checkpoint_name",
+    "is_temporary",
+    "temporary_name",
+    "sha256_file",
+    "write_durably",
+    "fsync_dir",
+    "list_files",
+    "hash_files",
+    "write_manifest",
+    "read_manifest",
+    "check_manifest",
+    "commit",
+    "update_link",
+    "link_target",
+    "list_checkpoints",
+    "find_latest",
+    "apply_retention",
+    "remove_checkpoint",
+    "cleanup_temporary",
+    "verify_files",
+    "resolve_checkpoint",
 ]
 
 FORMAT_NAME = "kiln-checkpoint"
@@ -144,23 +167,36 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(path, "does not exist", "check the path (a checkpoint is a folder such as ep3-ba120)")
     if not path.is_dir():
-        raise CheckpointError(path, "is a file, not a checkpoint folder",
-                              "pass the folder that holds manifest.json (use `kiln checkpoint inspect` to look inside)")
+        raise CheckpointError(
+            path,
+            "is a file, not a checkpoint folder",
+            "pass the folder that holds manifest.json (use `kiln checkpoint inspect` to look inside)",
+        )
     file = path / MANIFEST
     if not file.is_file():
-        why = "a save that did not finish" if is_temporary(path.name) else "no manifest.json, so it is not a complete kiln checkpoint"
-        raise CheckpointError(path, f"{why} (manifest.json is missing)", "load an earlier checkpoint, e.g. the 'last' link")
+        why = (
+            "a save that did not finish"
+            if is_temporary(path.name)
+            else "no manifest.json, so it is not a complete kiln checkpoint"
+        )
+        raise CheckpointError(
+            path, f"{why} (manifest.json is missing)", "load an earlier checkpoint, e.g. the 'last' link"
+        )
     try:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(file, f"is not valid JSON ({exc})", "the manifest is damaged; load an earlier checkpoint") from None
+        raise CheckpointError(
+            file, f"is not valid JSON ({exc})", "the manifest is damaged; load an earlier checkpoint"
+        ) from None
     check_manifest(file, manifest)
     recorded = manifest.get(MANIFEST_CHECKSUM)  # absent in manifests of kiln before it was added
     if recorded is not None and recorded != _manifest_digest(manifest):
-        raise CheckpointError(file, f"is corrupt: its content does not match its own checksum ({MANIFEST_CHECKSUM})",
-                              "the manifest was damaged or edited; copy the checkpoint again or load another")
-    if not isinstance(manifest.get("files"), dict) or not all(
-            isinstance(r, dict) for r in manifest["files"].values()):
+        raise CheckpointError(
+            file,
+            f"is corrupt: its content does not match its own checksum ({MANIFEST_CHECKSUM})",
+            "the manifest was damaged or edited; copy the checkpoint again or load another",
+        )
+    if not isinstance(manifest.get("files"), dict) or not all(isinstance(r, dict) for r in manifest["files"].values()):
         raise CheckpointError(file, "lists no files (the 'files' table is missing or malformed)")
     return manifest
 
@@ -173,8 +209,11 @@ def check_manifest(source: str | os.PathLike, manifest: Any) -> None:
     if not isinstance(version, int) or version < 1:
         raise CheckpointError(source, f"has an invalid format_version {version!r}")
     if version > FORMAT_VERSION:
-        raise CheckpointError(source, f"has format version {version}, newer than this kiln reads (up to {FORMAT_VERSION})",
-                              "upgrade kiln to load it")
+        raise CheckpointError(
+            source,
+            f"has format version {version}, newer than this kiln reads (up to {FORMAT_VERSION})",
+            "upgrade kiln to load it",
+        )
     world = manifest.get("world_size", 1)
     if type(world) is not int or world < 1:
         raise CheckpointError(source, f"has an invalid world_size {world!r}")
@@ -184,8 +223,9 @@ def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else None
 
 
-def verify_files(path: str | os.PathLike, manifest: dict[str, Any], names: Iterable[str] | None = None,
-                 checksums: bool = True) -> None:
+def verify_files(
+    path: str | os.PathLike, manifest: dict[str, Any], names: Iterable[str] | None = None, checksums: bool = True
+) -> None:
     """Check that each listed file exists with its recorded size (and sha256); raise naming the first bad one."""
     path = Path(path)
     files = manifest["files"]
@@ -195,14 +235,22 @@ def verify_files(path: str | os.PathLike, manifest: dict[str, Any], names: Itera
         if ".." in Path(name).parts or Path(name).is_absolute():
             raise CheckpointError(path / MANIFEST, f"lists a file outside the checkpoint: {name!r}")
         if not file.is_file():
-            raise CheckpointError(file, "is missing", "the checkpoint was copied incompletely; copy it again or load another")
+            raise CheckpointError(
+                file, "is missing", "the checkpoint was copied incompletely; copy it again or load another"
+            )
         size = file.stat().st_size
         if size != record.get("bytes"):
-            raise CheckpointError(file, f"is truncated or altered: {size} bytes, the manifest says {record.get('bytes')}",
-                                  "the copy or download was cut short; copy it again or load another checkpoint")
+            raise CheckpointError(
+                file,
+                f"is truncated or altered: {size} bytes, the manifest says {record.get('bytes')}",
+                "the copy or download was cut short; copy it again or load another checkpoint",
+            )
         if checksums and sha256_file(file) != record.get("sha256"):
-            raise CheckpointError(file, "is corrupt: its sha256 does not match the manifest",
-                                  "the file was damaged on disk or in transfer; copy it again or load another checkpoint")
+            raise CheckpointError(
+                file,
+                "is corrupt: its sha256 does not match the manifest",
+                "the file was damaged on disk or in transfer; copy it again or load another checkpoint",
+            )
 
 
 # -- commit and links ---------------------------------------------------------------------------
@@ -291,8 +339,12 @@ def _save_order_key(manifest: dict[str, Any]) -> tuple:
     # Progress only breaks ties (manifests written by hand or by tools without a time).
     ts = manifest.get("timestamp") or {}
     created = manifest.get("created_unix")
-    return (created if isinstance(created, (int, float)) else 0.0,
-            ts.get("batch", 0), ts.get("epoch", 0), ts.get("sample", 0))
+    return (
+        created if isinstance(created, (int, float)) else 0.0,
+        ts.get("batch", 0),
+        ts.get("epoch", 0),
+        ts.get("sample", 0),
+    )
 
 
 def find_latest(folder: str | os.PathLike) -> Path | None:
@@ -327,7 +379,7 @@ def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str]
         return []
     protected = {link_target(folder, link) for link in LINKS} | set(protect)
     found = [path for path, _ in list_checkpoints(folder)]
-    doomed = [path for path in found[:max(0, len(found) - keep)] if path.name not in protected]
+    doomed = [path for path in found[: max(0, len(found) - keep)] if path.name not in protected]
     for path in doomed:
         remove_checkpoint(path)
     return [path.name for path in doomed]
@@ -351,8 +403,9 @@ def cleanup_temporary(folder: str | os.PathLike, keep: Iterable[str] = ()) -> li
     return removed
 
 
-def resolve_checkpoint(folder: str | os.PathLike | None, path: str | os.PathLike | None,
-                       must_exist: bool = True) -> Path | None:
+def resolve_checkpoint(
+    folder: str | os.PathLike | None, path: str | os.PathLike | None, must_exist: bool = True
+) -> Path | None:
     """The checkpoint folder that ``path`` names.
 
     ``path`` is a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), or a save folder
@@ -370,11 +423,15 @@ def resolve_checkpoint(folder: str | os.PathLike | None, path: str | os.PathLike
     if path.name == "last" and not (path / MANIFEST).is_file():
         latest = find_latest(path.parent)
         if latest is not None:
-            warnings.warn(f"{path} is missing or incomplete; using the most recently saved complete checkpoint {latest}",
-                          stacklevel=2)
+            warnings.warn(
+                f"{path} is missing or incomplete; using the most recently saved complete checkpoint {latest}",
+                stacklevel=2,
+            )
             return latest.resolve()
     if not path.exists():
         if not must_exist:
             return None
-        raise CheckpointError(path, "does not exist", "check the path, or pass autoresume=True to start fresh when there is none")
+        raise CheckpointError(
+            path, "does not exist", "check the path, or pass autoresume=True to start fresh when there is none"
+        )
     return path.resolve()  # a link resolved now keeps pointing at this checkpoint while it loads

@@ -17,8 +17,15 @@ import torch
 from kiln.checkpoint import layout
 from kiln.checkpoint.checkpointing import verify_checkpoint
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.formats import (MERGED_FILE, MERGED_SUFFIXES, _flat_shapes, read_merged, read_merged_file,
-                                     read_training_state, training_state_file)
+from kiln.checkpoint.formats import (
+    MERGED_FILE,
+    MERGED_SUFFIXES,
+    _flat_shapes,
+    read_merged,
+    read_merged_file,
+    read_training_state,
+    training_state_file,
+)
 from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, dcp_failure, read_dcp_metadata
 from kiln.precision import DTYPES
 
@@ -45,8 +52,15 @@ def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[s
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
         raise dcp_failure(exc, path) from None
-    ranks = [read_training_state(path / training_state_file(r)) for r in range(int(manifest.get("world_size", 1)))
-             if (path / training_state_file(r)).exists()] if not model_only else []
+    ranks = (
+        [
+            read_training_state(path / training_state_file(r))
+            for r in range(int(manifest.get("world_size", 1)))
+            if (path / training_state_file(r)).exists()
+        ]
+        if not model_only
+        else []
+    )
     return manifest, {"model": tensors.get("model", {}), "optimizer": tensors.get("optimizer")}, ranks
 
 
@@ -66,22 +80,31 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     optimizer_tensors = 0
     if manifest.get("save_type") == "merged":
         merged = read_merged_file(path)[1] if path.is_file() else read_merged(path / MERGED_FILE)
-        shapes = {k: (list(v.shape), str(v.dtype).replace("torch.", "")) for k, v in merged["model"].items()
-                  if isinstance(v, torch.Tensor)}
+        shapes = {
+            k: (list(v.shape), str(v.dtype).replace("torch.", ""))
+            for k, v in merged["model"].items()
+            if isinstance(v, torch.Tensor)
+        }
         optimizer_tensors = len(_flat_shapes({"optimizer": merged.get("optimizer")}))
     else:
         for key, md in read_dcp_metadata(path).state_dict_metadata.items():
             if not hasattr(md, "size"):
                 continue
             if key.startswith("model."):
-                shapes[key[len("model."):]] = (list(md.size), str(md.properties.dtype).replace("torch.", ""))
+                shapes[key[len("model.") :]] = (list(md.size), str(md.properties.dtype).replace("torch.", ""))
             elif key.startswith("optimizer."):
                 optimizer_tensors += 1
     num_parameters = sum(_numel(shape) for shape, _ in shapes.values())
     files = manifest.get("files") or {path.name: {"bytes": path.stat().st_size}}  # a merged file is its one file
-    return {**{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)}, "path": str(path),
-            "num_files": len(files), "bytes": sum(int(f.get("bytes", 0)) for f in files.values()), "model": shapes,
-            "num_parameters": num_parameters, "optimizer_tensors": optimizer_tensors}
+    return {
+        **{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)},
+        "path": str(path),
+        "num_files": len(files),
+        "bytes": sum(int(f.get("bytes", 0)) for f in files.values()),
+        "model": shapes,
+        "num_parameters": num_parameters,
+        "optimizer_tensors": optimizer_tensors,
+    }
 
 
 def _numel(shape: list[int]) -> int:
@@ -111,7 +134,11 @@ def format_inspection(info: dict[str, Any], max_tensors: int = 40) -> str:
             lines.append(f"  ... and {len(info['model']) - max_tensors} more")
             break
         lines.append(f"  {name:<48} {str(shape):<20} {dtype}")
-    lines.append(f"optimizer   {info['optimizer_tensors']} state tensors" if info["optimizer_tensors"] else "optimizer   none saved")
+    lines.append(
+        f"optimizer   {info['optimizer_tensors']} state tensors"
+        if info["optimizer_tensors"]
+        else "optimizer   none saved"
+    )
     return "\n".join(lines)
 
 
@@ -133,8 +160,11 @@ def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     dst = Path(dst)
     if dst.exists() or dst.is_symlink():
         raise CheckpointError(dst, "already exists", "choose a new destination or remove it first")
-    merged = {**{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)},
-              "save_type": "merged", "merged_from": str(Path(src).resolve())}
+    merged = {
+        **{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)},
+        "save_type": "merged",
+        "merged_from": str(Path(src).resolve()),
+    }
     content = {"model": tensors["model"], "optimizer": tensors["optimizer"], "ranks": ranks}
     tmp = dst.with_name(layout.temporary_name(dst.name))
     try:
@@ -154,8 +184,11 @@ def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         else:
             tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise CheckpointError(dst, f"could not be written ({type(exc).__name__}: {exc})",
-                                  "check free space and permissions where it goes") from None
+            raise CheckpointError(
+                dst,
+                f"could not be written ({type(exc).__name__}: {exc})",
+                "check free space and permissions where it goes",
+            ) from None
         raise
 
 
@@ -201,7 +234,14 @@ def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, dtype: s
         weights[name] = value.contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(layout.temporary_name(out.name))
-    save_file(weights, str(tmp), metadata={"format": "pt", "kiln_checkpoint": manifest["name"],
-                                           "timestamp_batch": str((manifest.get("timestamp") or {}).get("batch", ""))})
+    save_file(
+        weights,
+        str(tmp),
+        metadata={
+            "format": "pt",
+            "kiln_checkpoint": manifest["name"],
+            "timestamp_batch": str((manifest.get("timestamp") or {}).get("batch", "")),
+        },
+    )
     os.replace(tmp, out)
     return out

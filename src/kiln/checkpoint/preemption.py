@@ -18,7 +18,8 @@ import signal
 import subprocess
 import threading
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +60,9 @@ class PreemptionHandler:
         self.signals = []
         for name in signals:
             if not hasattr(signal, name):
-                raise ValueError(f"preemption signal {name!r} does not exist on this platform; "
-                                 f"use names like 'SIGTERM' or 'SIGUSR1'")
+                raise ValueError(
+                    f"preemption signal {name!r} does not exist on this platform; use names like 'SIGTERM' or 'SIGUSR1'"
+                )
             self.signals.append(getattr(signal, name))
         self.requeue = requeue
         self.received: int = 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kiln.checkpoint import collectives, layout
 from kiln.checkpoint.async_save import AsyncCheckpoint, start_async_save
@@ -54,17 +55,28 @@ class CheckpointSaver(Callback):
         trainer = kiln.Trainer(model, ..., callbacks=[saver])
     """
 
-    def __init__(self, folder: str | os.PathLike = "checkpoints", interval: Interval = "1ep",
-                 num_checkpoints_to_keep: int = -1, save_type: str = "sharded",
-                 save_best: str | tuple[str, str] | None = None, save_async: bool = False, *,
-                 every_n_train_steps: int | None = None, every_n_epochs: int | None = None,
-                 preemption_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), requeue: bool = False,
-                 exit_on_preemption: bool = True) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike = "checkpoints",
+        interval: Interval = "1ep",
+        num_checkpoints_to_keep: int = -1,
+        save_type: str = "sharded",
+        save_best: str | tuple[str, str] | None = None,
+        save_async: bool = False,
+        *,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        preemption_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+        requeue: bool = False,
+        exit_on_preemption: bool = True,
+    ) -> None:
         self.folder = Path(folder)
         self.save_type = check_save_type(save_type)
         if save_async and save_type == "merged":
-            raise ValueError("save_async=True needs save_type='sharded' or 'deduped'; a merged checkpoint is "
-                             "assembled on rank 0 and cannot be written in the background")
+            raise ValueError(
+                "save_async=True needs save_type='sharded' or 'deduped'; a merged checkpoint is "
+                "assembled on rank 0 and cannot be written in the background"
+            )
         self.num_checkpoints_to_keep = layout.check_num_checkpoints_to_keep(num_checkpoints_to_keep)
         self.save_async = save_async
         self.intervals = _intervals(interval, every_n_train_steps, every_n_epochs)
@@ -89,7 +101,9 @@ class CheckpointSaver(Callback):
             self.folder.mkdir(parents=True, exist_ok=True)
             layout.cleanup_temporary(self.folder)  # debris of saves a crash interrupted
         self._resolved = [iv if callable(iv) else state.resolve(iv) for iv in self.intervals]
-        self._previous = {unit: state.timestamp.get(unit).value for unit in (TimeUnit.SAMPLE, TimeUnit.TOKEN, TimeUnit.SECOND)}
+        self._previous = {
+            unit: state.timestamp.get(unit).value for unit in (TimeUnit.SAMPLE, TimeUnit.TOKEN, TimeUnit.SECOND)
+        }
         name = layout.checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)
         self._saved_name = name if (self.folder / name / layout.MANIFEST).exists() else None  # just resumed from it
         if self.preemption is not None:
@@ -127,8 +141,11 @@ class CheckpointSaver(Callback):
             if self.preemption is not None:
                 self.preemption.uninstall()
         if self.best_metric is not None and not self._metric_seen and state.rank == 0:
-            warnings.warn(f"save_best={self.best_metric!r} never appeared in state.metrics (it has "
-                          f"{sorted(state.metrics)}); no 'best' link was made", stacklevel=2)
+            warnings.warn(
+                f"save_best={self.best_metric!r} never appeared in state.metrics (it has "
+                f"{sorted(state.metrics)}); no 'best' link was made",
+                stacklevel=2,
+            )
         if self.preemption is not None and self.preemption.received and self.exit_on_preemption:
             self.preemption.exit()
 
@@ -145,7 +162,9 @@ class CheckpointSaver(Callback):
         if self.best_metric is not None and self._improves(state):
             self._mark_best(name, float(state.metrics[self.best_metric]), link_now=False)
         if self.save_async:
-            self._pending = start_async_save(self.folder, state, self.save_type, name=name, on_commit=self._after_commit)
+            self._pending = start_async_save(
+                self.folder, state, self.save_type, name=name, on_commit=self._after_commit
+            )
         else:
             path = save_checkpoint(self.folder, state, self.save_type, name=name)
             if state.rank == 0:
@@ -224,8 +243,10 @@ class CheckpointSaver(Callback):
 def _intervals(interval: Interval, every_n_train_steps: int | None, every_n_epochs: int | None) -> list[Any]:
     if every_n_train_steps is not None or every_n_epochs is not None:
         found = []
-        for value, unit, key in ((every_n_train_steps, TimeUnit.BATCH, "every_n_train_steps"),
-                                 (every_n_epochs, TimeUnit.EPOCH, "every_n_epochs")):
+        for value, unit, key in (
+            (every_n_train_steps, TimeUnit.BATCH, "every_n_train_steps"),
+            (every_n_epochs, TimeUnit.EPOCH, "every_n_epochs"),
+        ):
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -237,8 +258,10 @@ def _intervals(interval: Interval, every_n_train_steps: int | None, every_n_epoc
     try:
         time = Time.from_input(interval, TimeUnit.EPOCH)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"interval={interval!r} is not a save interval: {exc}. Use e.g. '1ep', '500ba', "
-                         "'0.25dur', an int number of epochs, or a callable(state, event) -> bool") from None
+        raise ValueError(
+            f"interval={interval!r} is not a save interval: {exc}. Use e.g. '1ep', '500ba', "
+            "'0.25dur', an int number of epochs, or a callable(state, event) -> bool"
+        ) from None
     if not time.value > 0:
         raise ValueError(f"interval={interval!r} must be positive")
     return [time]
@@ -251,5 +274,7 @@ def _best(save_best: str | tuple[str, str] | None) -> tuple[str | None, str]:
         return save_best, "min"
     if isinstance(save_best, (tuple, list)) and len(save_best) == 2 and save_best[1] in ("min", "max"):
         return str(save_best[0]), save_best[1]
-    raise ValueError(f"save_best={save_best!r} must be a metric name such as 'eval/loss' (minimised) or "
-                     "(name, 'min' | 'max'), e.g. ('eval/Accuracy', 'max')")
+    raise ValueError(
+        f"save_best={save_best!r} must be a metric name such as 'eval/loss' (minimised) or "
+        "(name, 'min' | 'max'), e.g. ('eval/Accuracy', 'max')"
+    )

@@ -26,17 +26,34 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 
 from kiln.checkpoint.errors import CheckpointError
 
-__all__ = ["safe_torch_load", "check_loadable", "read_dcp_metadata", "SafeFileSystemReader", "SafeLoadPlanner",
-           "SafeEmptyLoadPlanner", "dcp_failure", "check_dcp_bytes"]
+__all__ = [
+    "safe_torch_load",
+    "check_loadable",
+    "read_dcp_metadata",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "SafeEmptyLoadPlanner",
+    "dcp_failure",
+    "check_dcp_bytes",
+]
 
-_UNSAFE_FIX = ("kiln loads checkpoints with weights_only=True and will not run code from a file; "
-               "only load checkpoints from sources you trust, and save state as plain data")
+_UNSAFE_FIX = (
+    "kiln loads checkpoints with weights_only=True and will not run code from a file; "
+    "only load checkpoints from sources you trust, and save state as plain data"
+)
 
 # DCP metadata records: dataclasses and enums of plain values, nothing callable.
 _DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
-                                              "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix", "SerializationFormat"},
     "torch.serialization": {"_get_layout"},  # looks a layout up by name in a fixed table
     "torch": {"Size"},
@@ -61,12 +78,17 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
-        raise CheckpointError(file, "is missing (a sharded checkpoint needs it)", "copy the whole checkpoint folder") from None
+        raise CheckpointError(
+            file, "is missing (a sharded checkpoint needs it)", "copy the whole checkpoint folder"
+        ) from None
     except pickle.UnpicklingError as exc:
         raise CheckpointError(file, f"asks to run code while loading ({exc})", _UNSAFE_FIX) from None
     except Exception as exc:  # truncated or garbled pickles fail in many ways
-        raise CheckpointError(file, f"is damaged and cannot be read ({type(exc).__name__}: {exc})",
-                              "run `kiln checkpoint verify` on the folder; load an earlier checkpoint") from None
+        raise CheckpointError(
+            file,
+            f"is damaged and cannot be read ({type(exc).__name__}: {exc})",
+            "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(file, f"holds a {type(metadata).__name__}, not DCP metadata")
     _check_metadata(file, metadata)
@@ -76,9 +98,11 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
 def _check_metadata(file: Path, metadata: Metadata) -> None:
     """Raise unless the unpickled metadata is sound, so that damage fails here, naming the file,
     rather than deep inside DCP (or as a read of the wrong bytes, blamed on a ``.distcp`` file)."""
+
     def damaged(problem: str) -> CheckpointError:
-        return CheckpointError(file, f"is damaged: {problem}",
-                               "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+        return CheckpointError(
+            file, f"is damaged: {problem}", "run `kiln checkpoint verify` on the folder; load an earlier checkpoint"
+        )
 
     tables = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
     if not all(isinstance(table, dict) for table in tables):
@@ -107,17 +131,24 @@ def _check_metadata(file: Path, metadata: Metadata) -> None:
         entries.sort()
         for (start, end, fqn), (next_start, next_end, next_fqn) in zip(entries, entries[1:]):
             if next_start < end and (next_start, next_end) != (start, end):
-                raise damaged(f"entries {fqn} and {next_fqn} overlap in {name} (bytes {start}-{end} and "
-                              f"{next_start}-{next_end})")
+                raise damaged(
+                    f"entries {fqn} and {next_fqn} overlap in {name} (bytes {start}-{end} and {next_start}-{next_end})"
+                )
         data = file.parent / name
         if not data.is_file():
-            raise CheckpointError(file, f"places entry {entries[0][2]} in {name}, which is not in the checkpoint folder",
-                                  "copy the whole checkpoint folder again; load an earlier checkpoint")
+            raise CheckpointError(
+                file,
+                f"places entry {entries[0][2]} in {name}, which is not in the checkpoint folder",
+                "copy the whole checkpoint folder again; load an earlier checkpoint",
+            )
         size = data.stat().st_size
         last_end, last_fqn = max((end, fqn) for _, end, fqn in entries)
         if last_end > size:
-            raise CheckpointError(data, f"is truncated: {size} bytes, but .metadata places entry {last_fqn} up to byte "
-                                        f"{last_end}", "copy the whole checkpoint folder again; load an earlier checkpoint")
+            raise CheckpointError(
+                data,
+                f"is truncated: {size} bytes, but .metadata places entry {last_fqn} up to byte {last_end}",
+                "copy the whole checkpoint folder again; load an earlier checkpoint",
+            )
 
 
 def _sound_entry(md: Any) -> bool:
@@ -132,9 +163,17 @@ def _sound_entry(md: Any) -> bool:
     if not isinstance(md, TensorStorageMetadata):
         return False
     chunks, dtype = getattr(md, "chunks", None), getattr(getattr(md, "properties", None), "dtype", None)
-    return (shape(getattr(md, "size", None)) and isinstance(dtype, torch.dtype) and isinstance(chunks, list)
-            and all(shape(getattr(c, "offsets", None)) and shape(getattr(c, "sizes", None))
-                    and len(c.offsets) == len(c.sizes) == len(md.size) for c in chunks))
+    return (
+        shape(getattr(md, "size", None))
+        and isinstance(dtype, torch.dtype)
+        and isinstance(chunks, list)
+        and all(
+            shape(getattr(c, "offsets", None))
+            and shape(getattr(c, "sizes", None))
+            and len(c.offsets) == len(c.sizes) == len(md.size)
+            for c in chunks
+        )
+    )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -162,20 +201,28 @@ class SafeFileSystemReader(FileSystemReader):
     def _failure(self, exc: Exception) -> CheckpointError:
         sinfo = getattr(self, "_reading", None)
         if sinfo is None and isinstance(exc, OSError) and exc.filename:  # opening a file failed
-            return CheckpointError(exc.filename, f"could not be read ({type(exc).__name__}: {exc.strerror or exc})",
-                                   "copy the whole checkpoint folder again; load an earlier checkpoint")
+            return CheckpointError(
+                exc.filename,
+                f"could not be read ({type(exc).__name__}: {exc.strerror or exc})",
+                "copy the whole checkpoint folder again; load an earlier checkpoint",
+            )
         if sinfo is None:  # the plan DCP made from .metadata does not fit its own tables
-            return CheckpointError(Path(self.path) / ".metadata", f"is damaged: its entries do not fit its storage "
-                                   f"table ({type(exc).__name__}: {_first_line(exc)})",
-                                   "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+            return CheckpointError(
+                Path(self.path) / ".metadata",
+                f"is damaged: its entries do not fit its storage table ({type(exc).__name__}: {_first_line(exc)})",
+                "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
+            )
         file = Path(self.path) / sinfo.relative_path
         key = next((index.fqn for index, info in self.storage_data.items() if info is sinfo), "?")
         # The bytes are where .metadata says; with both files damaged alike, either may be at fault.
         entry = f"entry {key} (bytes {sinfo.offset}-{sinfo.offset + sinfo.length}, as .metadata places it)"
         if isinstance(exc, CheckpointError) and exc.path == _VALUE:
             return CheckpointError(file, f"{entry} {exc.problem}", exc.fix)
-        return CheckpointError(file, f"is damaged: {entry} could not be read ({type(exc).__name__}: {_first_line(exc)})",
-                               "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+        return CheckpointError(
+            file,
+            f"is damaged: {entry} could not be read ({type(exc).__name__}: {_first_line(exc)})",
+            "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
+        )
 
 
 _VALUE = "<sharded checkpoint value>"  # replaced by the file and entry once the reader knows them
@@ -199,10 +246,14 @@ def _load_failure(path: str | os.PathLike, exc: BaseException) -> CheckpointErro
     if isinstance(exc, pickle.UnpicklingError) and "weights only load failed" in str(exc).lower():
         if any(word in detail for word in ("GLOBAL", "reduce", "Can only", "new object")):
             return CheckpointError(path, f"asks to run code while loading ({detail})", _UNSAFE_FIX)
-        return CheckpointError(path, f"cannot be unpickled safely ({detail}): it is damaged, or crafted to run code",
-                               _UNSAFE_FIX)
-    return CheckpointError(path, f"is truncated or damaged ({type(exc).__name__}: {detail})",
-                           "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+        return CheckpointError(
+            path, f"cannot be unpickled safely ({detail}): it is damaged, or crafted to run code", _UNSAFE_FIX
+        )
+    return CheckpointError(
+        path,
+        f"is truncated or damaged ({type(exc).__name__}: {detail})",
+        "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
+    )
 
 
 def dcp_failure(exc: BaseException, path: str | os.PathLike) -> CheckpointError:
@@ -220,9 +271,11 @@ def dcp_failure(exc: BaseException, path: str | os.PathLike) -> CheckpointError:
         exc = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
     if isinstance(exc, CheckpointError):
         return exc
-    return CheckpointError(Path(path) / ".metadata", f"could not be used to load the checkpoint ({type(exc).__name__}: "
-                                                    f"{_first_line(exc)})",
-                           "run `kiln checkpoint verify` on the folder; load an earlier checkpoint")
+    return CheckpointError(
+        Path(path) / ".metadata",
+        f"could not be used to load the checkpoint ({type(exc).__name__}: {_first_line(exc)})",
+        "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
+    )
 
 
 def check_dcp_bytes(path: str | os.PathLike, metadata: Metadata) -> None:
@@ -236,8 +289,9 @@ def check_dcp_bytes(path: str | os.PathLike, metadata: Metadata) -> None:
     if not keys:
         return
     try:
-        _load_state_dict({}, storage_reader=SafeFileSystemReader(path), planner=SafeEmptyLoadPlanner(keys=keys),
-                         no_dist=True)
+        _load_state_dict(
+            {}, storage_reader=SafeFileSystemReader(path), planner=SafeEmptyLoadPlanner(keys=keys), no_dist=True
+        )
     except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
         raise dcp_failure(exc, path) from None
 
@@ -292,7 +346,10 @@ def check_loadable(obj: Any, what: str) -> bytes:
     try:
         torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(what, f"holds an object a checkpoint cannot carry ({_first_line(exc)})",
-                              "return plain data (numbers, strings, lists, dicts, tensors) from state_dict(), "
-                              "since checkpoints load with weights_only=True") from None
+        raise CheckpointError(
+            what,
+            f"holds an object a checkpoint cannot carry ({_first_line(exc)})",
+            "return plain data (numbers, strings, lists, dicts, tensors) from state_dict(), "
+            "since checkpoints load with weights_only=True",
+        ) from None
     return data

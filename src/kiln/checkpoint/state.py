@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -30,8 +31,15 @@ from kiln.checkpoint.serialization import check_loadable
 from kiln.launch.loader import ResumableLoader
 from kiln.launch.rng import rng_state, set_rng_state
 
-__all__ = ["training_objects", "model_optimizer_state", "load_model_optimizer_state", "collect_training_state",
-           "serialize_training_state", "restore_training_state", "run_config"]
+__all__ = [
+    "training_objects",
+    "model_optimizer_state",
+    "load_model_optimizer_state",
+    "collect_training_state",
+    "serialize_training_state",
+    "restore_training_state",
+    "run_config",
+]
 
 
 # -- model and optimizer ------------------------------------------------------------------------
@@ -73,8 +81,11 @@ def _strategy(state: Any) -> Any:
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
     """State exists, or gradients do (then DCP leaves the optimizer alone; stateless SGD lands here)."""
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps state in .optim
-    return bool(inner.state) or bool(optimizer.state) or any(
-        p.grad is not None for g in optimizer.param_groups for p in g["params"])
+    return (
+        bool(inner.state)
+        or bool(optimizer.state)
+        or any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+    )
 
 
 def load_model_optimizer_state(state: Any, saved: Mapping[str, Any], strict: bool = True) -> None:
@@ -99,9 +110,12 @@ def _keyed(objects: list[Any]) -> dict[str, Any]:
 def collect_training_state(state: Any) -> dict[str, Any]:
     engine = getattr(state, "engine", None)
     if engine is not None and getattr(engine, "micro_step", 0):
-        warnings.warn(f"checkpoint taken after micro-step {engine.micro_step} of {engine.gradient_accumulation}: the "
-                      "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
-                      "them; save at accumulation boundaries (after engine.step() returned True)", stacklevel=4)
+        warnings.warn(
+            f"checkpoint taken after micro-step {engine.micro_step} of {engine.gradient_accumulation}: the "
+            "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
+            "them; save at accumulation boundaries (after engine.step() returned True)",
+            stacklevel=4,
+        )
     scaler = getattr(engine, "scaler", None)
     loader = getattr(state, "dataloader", None)
     return {
@@ -129,8 +143,9 @@ def serialize_training_state(state: Any) -> bytes:
     return check_loadable(collected, "<training state>")
 
 
-def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True,
-                           same_world: bool = True) -> None:
+def restore_training_state(
+    state: Any, saved: Mapping[str, Any], source: str, restore_rng: bool = True, same_world: bool = True
+) -> None:
     """Put a rank's saved training state back; ``source`` names the file in errors. ``same_world``:
     the checkpoint was saved by as many ranks as load it (for a checkpoint without the loader's own
     position: else the epoch is re-dealt from the Timestamp's samples)."""
@@ -139,8 +154,11 @@ def restore_training_state(state: Any, saved: Mapping[str, Any], source: str, re
     except (KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(source, f"has an unreadable timestamp ({exc})") from None
     if len(saved["schedulers"]) != len(state.schedulers):
-        raise CheckpointError(source, f"holds {len(saved['schedulers'])} LR scheduler(s) and the run has "
-                                      f"{len(state.schedulers)}", "build the run with the same schedulers it was saved with")
+        raise CheckpointError(
+            source,
+            f"holds {len(saved['schedulers'])} LR scheduler(s) and the run has {len(state.schedulers)}",
+            "build the run with the same schedulers it was saved with",
+        )
     for scheduler, sd in zip(state.schedulers, saved["schedulers"]):
         scheduler.load_state_dict(sd)
     engine = getattr(state, "engine", None)
@@ -199,12 +217,15 @@ def _position_from_timestamp(state: Any, saved: Mapping[str, Any], same_world: b
     """The loader position of a checkpoint written before the loader saved its own (or of a loader
     that was not a ResumableLoader): the Timestamp's, with the sampler state saved beside it."""
     ts = state.timestamp  # already restored
-    return {"epoch": ts.epoch.value, "batch_in_epoch": ts.batch_in_epoch.value,
-            # On the world size that saved it, each rank skips its own full batches (None: counted
-            # from them; a hand-written loop's Timestamp may count one rank's samples). On another,
-            # the Trainer's Timestamp counts every rank's samples: the start of the epoch's order.
-            "sample_in_epoch": None if same_world else ts.sample_in_epoch.value,
-            "sampler": saved.get("sampler")}
+    return {
+        "epoch": ts.epoch.value,
+        "batch_in_epoch": ts.batch_in_epoch.value,
+        # On the world size that saved it, each rank skips its own full batches (None: counted
+        # from them; a hand-written loop's Timestamp may count one rank's samples). On another,
+        # the Trainer's Timestamp counts every rank's samples: the start of the epoch's order.
+        "sample_in_epoch": None if same_world else ts.sample_in_epoch.value,
+        "sampler": saved.get("sampler"),
+    }
 
 
 def run_config(state: Any) -> Any:

@@ -15,15 +15,21 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("checkpoint", help="inspect, verify, merge or export checkpoints",
-                              description="Work with kiln checkpoint folders (no process group needed).")
+    p = subparsers.add_parser(
+        "checkpoint",
+        help="inspect, verify, merge or export checkpoints",
+        description="Work with kiln checkpoint folders (no process group needed).",
+    )
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
 
-    merge = sub.add_parser("merge", help="turn a sharded/deduped checkpoint into one merged file",
-                           description="Write SRC as a merged checkpoint: one file when DST ends in .pt or .pth "
-                                       "(loads with torch.load(weights_only=True), and as load_path= of a Trainer), "
-                                       "else a checkpoint folder DST whose checkpoint.pt loads the same way. "
-                                       "DST must not exist.")
+    merge = sub.add_parser(
+        "merge",
+        help="turn a sharded/deduped checkpoint into one merged file",
+        description="Write SRC as a merged checkpoint: one file when DST ends in .pt or .pth "
+        "(loads with torch.load(weights_only=True), and as load_path= of a Trainer), "
+        "else a checkpoint folder DST whose checkpoint.pt loads the same way. "
+        "DST must not exist.",
+    )
     merge.add_argument("src", help="checkpoint folder (or a 'last'/'best' link, or a merged .pt file)")
     merge.add_argument("dst", help="new file (DST.pt, DST.pth) or checkpoint folder to create")
     merge.set_defaults(func=_merge)
@@ -54,6 +60,7 @@ def _guarded(action):
         except CheckpointError as exc:
             print(f"kiln checkpoint {args.checkpoint_command}: {exc}", file=sys.stderr)
             return 1
+
     return run
 
 
@@ -82,8 +89,10 @@ def _verify(args: argparse.Namespace) -> int:
     manifest = verify_checkpoint(args.path)
     if "files" not in manifest:  # a merged .pt file: no checksums to compare
         size = os.path.getsize(args.path)
-        print(f"OK {args.path}: {manifest['name']}, one merged file, {size / 1e6:.1f} MB, loads safely "
-              "(a single file carries no checksums)")
+        print(
+            f"OK {args.path}: {manifest['name']}, one merged file, {size / 1e6:.1f} MB, loads safely "
+            "(a single file carries no checksums)"
+        )
         return 0
     total = sum(int(f.get("bytes", 0)) for f in manifest["files"].values())
     print(f"OK {args.path}: {manifest['name']}, {len(manifest['files'])} files, {total / 1e6:.1f} MB, checksums match")

@@ -21,21 +21,49 @@ __all__ = ["add_parser", "run", "load_object"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="show the memory per rank of each parallel strategy and what auto picks",
-                              description="Estimate parameters, gradients, optimizer state and activations per rank "
-                                          "for every strategy, and show which one strategy='auto' would choose.")
-    p.add_argument("-f", "--file", default=None,
-                   help="a run file (as for kiln train; dotted overrides may follow): its model and optimizer")
-    p.add_argument("--model", default=None,
-                   help="dotted path of a model class or factory: 'package.module:Name' or 'package.module.Name'")
-    p.add_argument("--world-size", "--world_size", dest="world_size", type=int, default=None,
-                   help="ranks of the run (default: the run file's compute_config.runtime_ngpus, else 1)")
-    p.add_argument("--optimizer", default=None, help="optimizer class (state size; default: the run file's, else AdamW)")
-    p.add_argument("--budget", type=float, default=None,
-                   help="bytes per rank (default: $KILN_MEMORY_BUDGET_BYTES, else the device's free memory)")
-    p.add_argument("--input-shape", dest="input_shape", default=None,
-                   help="shape of one microbatch, e.g. 8,1024, to measure activations with one forward")
-    p.add_argument("--input-dtype", dest="input_dtype", default="float32", help="dtype of that input (float32, long, ...)")
+    p = subparsers.add_parser(
+        "plan",
+        help="show the memory per rank of each parallel strategy and what auto picks",
+        description="Estimate parameters, gradients, optimizer state and activations per rank "
+        "for every strategy, and show which one strategy='auto' would choose.",
+    )
+    p.add_argument(
+        "-f",
+        "--file",
+        default=None,
+        help="a run file (as for kiln train; dotted overrides may follow): its model and optimizer",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="dotted path of a model class or factory: 'package.module:Name' or 'package.module.Name'",
+    )
+    p.add_argument(
+        "--world-size",
+        "--world_size",
+        dest="world_size",
+        type=int,
+        default=None,
+        help="ranks of the run (default: the run file's compute_config.runtime_ngpus, else 1)",
+    )
+    p.add_argument(
+        "--optimizer", default=None, help="optimizer class (state size; default: the run file's, else AdamW)"
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="bytes per rank (default: $KILN_MEMORY_BUDGET_BYTES, else the device's free memory)",
+    )
+    p.add_argument(
+        "--input-shape",
+        dest="input_shape",
+        default=None,
+        help="shape of one microbatch, e.g. 8,1024, to measure activations with one forward",
+    )
+    p.add_argument(
+        "--input-dtype", dest="input_dtype", default="float32", help="dtype of that input (float32, long, ...)"
+    )
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -80,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
 
     extra = list(getattr(args, "extra", []) or [])
     if (args.file is None) == (args.model is None):
-        print("kiln plan: pass -f run.yaml, or --model package.module:Name (a model class or a function "
-              "returning one)", file=sys.stderr)
+        print(
+            "kiln plan: pass -f run.yaml, or --model package.module:Name (a model class or a function returning one)",
+            file=sys.stderr,
+        )
         return 2
     if extra and args.file is None:
         print(f"kiln plan: unrecognized arguments: {' '.join(extra)} (dotted overrides need -f)", file=sys.stderr)
@@ -99,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         if args.input_shape:
             shape = tuple(int(s) for s in args.input_shape.replace("x", ",").split(",") if s)
             dtype = getattr(torch, args.input_dtype)
-            example = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
+            example = (
+                torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
+            )
     except (ValueError, AttributeError, TypeError) as exc:  # ConfigError is a ValueError
         print(f"kiln plan: error: {exc}", file=sys.stderr)
         return 2

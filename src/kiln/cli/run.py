@@ -16,20 +16,43 @@ __all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "run", help="launch a script on N processes with torch.distributed.run",
+        "run",
+        help="launch a script on N processes with torch.distributed.run",
         description="Launch a training script on N processes per node (torchrun underneath). "
-                    "One node uses a standalone rendezvous; pass --nnodes/--node-rank/--rdzv-endpoint for more.")
-    p.add_argument("-n", "--nproc-per-node", dest="nproc_per_node", default="1",
-                   help="processes per node: an integer, or auto/cpu/gpu as torchrun accepts (default 1)")
+        "One node uses a standalone rendezvous; pass --nnodes/--node-rank/--rdzv-endpoint for more.",
+    )
+    p.add_argument(
+        "-n",
+        "--nproc-per-node",
+        dest="nproc_per_node",
+        default="1",
+        help="processes per node: an integer, or auto/cpu/gpu as torchrun accepts (default 1)",
+    )
     p.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs (default 1)")
     p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, help="this node's rank")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default=None,
-                   help="host:port of the rendezvous (multi-node)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        help="host:port of the rendezvous (multi-node)",
+    )
     p.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="job id shared by all nodes")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default=None,
-                   help="rendezvous backend (default c10d when an endpoint is given)")
-    p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0,
-                   help="restart the worker group up to this many times when a worker fails")
+    p.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default=None,
+        help="rendezvous backend (default c10d when an endpoint is given)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart the worker group up to this many times when a worker fails",
+    )
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None)
     p.add_argument("--master-port", "--master_port", dest="master_port", default=None)
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, help="where torchrun writes worker logs")
@@ -47,7 +70,9 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     multi_node = args.rdzv_endpoint is not None or str(args.nnodes) not in ("1", "1:1")
     if multi_node:
         if args.rdzv_endpoint is None and args.master_addr is None:
-            raise ValueError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr) so nodes can meet")
+            raise ValueError(
+                f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (or --master-addr) so nodes can meet"
+            )
         if args.rdzv_endpoint is not None:
             out += [f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
         if args.rdzv_id is not None:
@@ -75,11 +100,15 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun_main
 
     if not args.module and not Path(args.script).is_file():
-        print(f"kiln run: script {args.script!r} does not exist (pass a Python file, or -m for a module)", file=sys.stderr)
+        print(
+            f"kiln run: script {args.script!r} does not exist (pass a Python file, or -m for a module)", file=sys.stderr
+        )
         return 2
     if not str(args.nproc_per_node).isdigit() and args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu"):
-        print(f"kiln run: -n {args.nproc_per_node!r} is not a process count; expected an integer or auto/cpu/gpu",
-              file=sys.stderr)
+        print(
+            f"kiln run: -n {args.nproc_per_node!r} is not a process count; expected an integer or auto/cpu/gpu",
+            file=sys.stderr,
+        )
         return 2
     try:
         argv = torchrun_args(args)
@@ -105,7 +134,11 @@ def describe_failure(exc: BaseException) -> str:
     stopped = lambda f: f.exitcode == -signal.SIGTERM  # noqa: E731
     first_rank, first = min(failures.items(), key=lambda item: (stopped(item[1]), item[1].timestamp, item[0]))
     line = f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) failed first: {_how(first)}"
-    others = [f"rank {rank} ({'stopped by torchrun' if stopped(f) else _how(f)})" for rank, f in sorted(failures.items()) if rank != first_rank]
+    others = [
+        f"rank {rank} ({'stopped by torchrun' if stopped(f) else _how(f)})"
+        for rank, f in sorted(failures.items())
+        if rank != first_rank
+    ]
     if others:
         line += "; then " + ", ".join(others)
     return line + ("; its traceback is above" if first.exitcode > 0 else "")

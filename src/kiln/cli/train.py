@@ -70,17 +70,31 @@ def fields_help() -> str:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "train", help="train from a YAML config of TrainerArgs (nnScaler style)",
+        "train",
+        help="train from a YAML config of TrainerArgs (nnScaler style)",
         description="Train from a YAML file of TrainerArgs. Any field can be overridden: --a.b.c VALUE or "
-                    "--a.b.c=VALUE (values guessed with ast.literal_eval unless the field is a string), "
-                    "--list.0.key VALUE for list items, --a.b! to delete a key; '-' and '_' are the same in keys; "
-                    "$(a.b) in a value refers to another field.",
-        epilog=fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+        "--a.b.c=VALUE (values guessed with ast.literal_eval unless the field is a string), "
+        "--list.0.key VALUE for list items, --a.b! to delete a key; '-' and '_' are the same in keys; "
+        "$(a.b) in a value refers to another field.",
+        epilog=fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("-f", "--file", required=True, help="the YAML config file")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default=None,
-                   help="start N processes on this node with torch.distributed.run (an int, or 'gpu')")
-    p.add_argument("--print-config", "--print_config", dest="print_config", action="store_true",
-                   help="print the fully resolved config as YAML and exit")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default=None,
+        help="start N processes on this node with torch.distributed.run (an int, or 'gpu')",
+    )
+    p.add_argument(
+        "--print-config",
+        "--print_config",
+        dest="print_config",
+        action="store_true",
+        help="print the fully resolved config as YAML and exit",
+    )
     p.set_defaults(func=train, accepts_extra=True)
 
 
@@ -105,9 +119,14 @@ def _world_size(nproc: int | None) -> int:
         world = int(os.environ["WORLD_SIZE"])
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if nproc is not None and local is not None and int(local) != nproc:
-            raise ConfigError(format_error("--nproc-per-node", nproc, f"{local} (this process already runs under "
-                                           f"torchrun with LOCAL_WORLD_SIZE={local}) or nothing"),
-                              path="--nproc-per-node")
+            raise ConfigError(
+                format_error(
+                    "--nproc-per-node",
+                    nproc,
+                    f"{local} (this process already runs under torchrun with LOCAL_WORLD_SIZE={local}) or nothing",
+                ),
+                path="--nproc-per-node",
+            )
         return world
     return nproc or 1
 
@@ -117,9 +136,23 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> int:
     from kiln.cli.run import run
 
     argv = ["train", "-f", args.file, *args.extra]
-    ns = argparse.Namespace(nproc_per_node=str(nproc), nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_id=None,
-                            rdzv_backend=None, max_restarts=0, master_addr=None, master_port=None, log_dir=None,
-                            redirects=None, tee=None, module=True, script="kiln.cli.main", script_args=argv)
+    ns = argparse.Namespace(
+        nproc_per_node=str(nproc),
+        nnodes="1",
+        node_rank=None,
+        rdzv_endpoint=None,
+        rdzv_id=None,
+        rdzv_backend=None,
+        max_restarts=0,
+        master_addr=None,
+        master_port=None,
+        log_dir=None,
+        redirects=None,
+        tee=None,
+        module=True,
+        script="kiln.cli.main",
+        script_args=argv,
+    )
     return run(ns)
 
 
@@ -175,8 +208,10 @@ def _summary(trainer: Trainer, args: TrainerArgs) -> None:
     if state.rank != 0:
         return
     params = sum(p.numel() for p in state.model.parameters())
-    print(f"kiln train (compile): model {type(state.model).__name__} with {params:,} parameters; "
-          f"strategy {trainer.engine.strategy!r}; precision {trainer.engine.precision.name}; "
-          f"world {state.world_size}; micro_batch_size {args.micro_batch_size} x "
-          f"grad_accumulation_steps {args.grad_accumulation_steps} x data-parallel "
-          f"{args.data_parallel_size(state.world_size)} = global_batch_size {args.global_batch_size}")
+    print(
+        f"kiln train (compile): model {type(state.model).__name__} with {params:,} parameters; "
+        f"strategy {trainer.engine.strategy!r}; precision {trainer.engine.precision.name}; "
+        f"world {state.world_size}; micro_batch_size {args.micro_batch_size} x "
+        f"grad_accumulation_steps {args.grad_accumulation_steps} x data-parallel "
+        f"{args.data_parallel_size(state.world_size)} = global_batch_size {args.global_batch_size}"
+    )

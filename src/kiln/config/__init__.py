@@ -43,9 +43,24 @@ _LAZY = {
 }
 
 __all__ = [
-    "CheckpointConfig", "ComputeConfig", "ConfigError", "CriterionConfig", "DataloaderConfig", "DatasetConfig",
-    "DatasetSamplerConfig", "HookConfig", "HookMapConfig", "LRSchedulerConfig", "LogConfig", "ModelConfig",
-    "OptimizerConfig", "TrainerArgs", "dump_yaml", "load_trainer_args", "typed_overrides", *_LAZY,
+    "CheckpointConfig",
+    "ComputeConfig",
+    "ConfigError",
+    "CriterionConfig",
+    "DataloaderConfig",
+    "DatasetConfig",
+    "DatasetSamplerConfig",
+    "HookConfig",
+    "HookMapConfig",
+    "LRSchedulerConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainerArgs",
+    "dump_yaml",
+    "load_trainer_args",
+    "typed_overrides",
+    *_LAZY,
 ]
 
 

@@ -136,24 +136,44 @@ class TrainerArgs:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        for name in ("micro_batch_size", "global_batch_size", "grad_accumulation_steps", "max_epochs",
-                     "max_train_steps", "max_val_steps", "val_every_n_train_steps", "val_every_n_epochs"):
+        for name in (
+            "micro_batch_size",
+            "global_batch_size",
+            "grad_accumulation_steps",
+            "max_epochs",
+            "max_train_steps",
+            "max_val_steps",
+            "val_every_n_train_steps",
+            "val_every_n_epochs",
+        ):
             check_count(self, name)
         self._check_precision()
         if self.max_epochs is None and self.max_train_steps is None:
-            raise ConfigError("max_epochs: is not set (nor max_train_steps), expected at least one of them",
-                              path="max_epochs")
-        for name, example in (("model", "examples.mlp_model.MLP"), ("optimizer", "torch.optim.AdamW"),
-                              ("dataset", "examples.mlp_model.RandomDataset")):
+            raise ConfigError(
+                "max_epochs: is not set (nor max_train_steps), expected at least one of them", path="max_epochs"
+            )
+        for name, example in (
+            ("model", "examples.mlp_model.MLP"),
+            ("optimizer", "torch.optim.AdamW"),
+            ("dataset", "examples.mlp_model.RandomDataset"),
+        ):
             if not getattr(self, name).type:
-                raise ConfigError(f"{name}.type: is not set, expected a fully qualified name such as {example!r}",
-                                  path=f"{name}.type")
+                raise ConfigError(
+                    f"{name}.type: is not set, expected a fully qualified name such as {example!r}", path=f"{name}.type"
+                )
         if self.criterion is not None and self.compute_config.use_end2end:
-            raise ConfigError("criterion: is set while compute_config.use_end2end is true, expected no criterion "
-                              "for an end-to-end model (its forward returns the loss)", path="criterion")
+            raise ConfigError(
+                "criterion: is set while compute_config.use_end2end is true, expected no criterion "
+                "for an end-to-end model (its forward returns the loss)",
+                path="criterion",
+            )
         if self.tracing_from_weights is not None and not os.path.isfile(self.tracing_from_weights):
-            raise ConfigError(format_error("tracing_from_weights", self.tracing_from_weights,
-                                           "the path of an existing state-dict file"), path="tracing_from_weights")
+            raise ConfigError(
+                format_error(
+                    "tracing_from_weights", self.tracing_from_weights, "the path of an existing state-dict file"
+                ),
+                path="tracing_from_weights",
+            )
 
     def _check_precision(self) -> None:
         spec = self.precision
@@ -166,17 +186,26 @@ class TrainerArgs:
         # "none" is nnScaler's: leave the dtypes as the model has them.
         names, dtype_names = ("none", *PRECISIONS), ("none", *DTYPES)
         if isinstance(spec, str) and spec not in names:
-            raise ConfigError(format_error("precision", spec, "one of " + ", ".join(names)
-                                           + " or a mapping of param/buffer/input to fp32/fp16/bf16/none"),
-                              path="precision")
+            raise ConfigError(
+                format_error(
+                    "precision",
+                    spec,
+                    "one of " + ", ".join(names) + " or a mapping of param/buffer/input to fp32/fp16/bf16/none",
+                ),
+                path="precision",
+            )
         if isinstance(spec, dict):
             for key, value in spec.items():
                 if key not in TENSOR_TYPES:
-                    raise ConfigError(format_error(f"precision.{key}", key, "a tensor type: param, buffer or input"),
-                                      path=f"precision.{key}")
+                    raise ConfigError(
+                        format_error(f"precision.{key}", key, "a tensor type: param, buffer or input"),
+                        path=f"precision.{key}",
+                    )
                 if value not in dtype_names:
-                    raise ConfigError(format_error(f"precision.{key}", value, "one of " + ", ".join(dtype_names)),
-                                      path=f"precision.{key}")
+                    raise ConfigError(
+                        format_error(f"precision.{key}", value, "one of " + ", ".join(dtype_names)),
+                        path=f"precision.{key}",
+                    )
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -204,17 +233,29 @@ class TrainerArgs:
         """
         cc = self.compute_config
         if cc.runtime_ngpus is not None and cc.runtime_ngpus != world_size:
-            raise ConfigError(format_error("compute_config.runtime_ngpus", cc.runtime_ngpus,
-                                           f"the world size {world_size} (processes started by --nproc-per-node or "
-                                           "torchrun), or null"), path="compute_config.runtime_ngpus")
+            raise ConfigError(
+                format_error(
+                    "compute_config.runtime_ngpus",
+                    cc.runtime_ngpus,
+                    f"the world size {world_size} (processes started by --nproc-per-node or torchrun), or null",
+                ),
+                path="compute_config.runtime_ngpus",
+            )
         if cc.plan_ngpus is not None and cc.tp * cc.pp > 1 and cc.plan_ngpus != cc.tp * cc.pp:
-            raise ConfigError(format_error("compute_config.plan_ngpus", cc.plan_ngpus,
-                                           f"tp * pp = {cc.tp * cc.pp}"), path="compute_config.plan_ngpus")
+            raise ConfigError(
+                format_error("compute_config.plan_ngpus", cc.plan_ngpus, f"tp * pp = {cc.tp * cc.pp}"),
+                path="compute_config.plan_ngpus",
+            )
         if world_size % cc.mesh_size:
             name = "plan_ngpus" if cc.plan_ngpus else "tp"
-            raise ConfigError(format_error(f"compute_config.{name}", getattr(cc, name),
-                                           f"a divisor of the world size {world_size} (processes per model replica)"),
-                              path=f"compute_config.{name}")
+            raise ConfigError(
+                format_error(
+                    f"compute_config.{name}",
+                    getattr(cc, name),
+                    f"a divisor of the world size {world_size} (processes per model replica)",
+                ),
+                path=f"compute_config.{name}",
+            )
         cc.strategy_name(self.pas_policy, world_size)
         dp, micro = self.data_parallel_size(world_size), self.micro_batch_size
         per_step = micro * dp
@@ -224,14 +265,20 @@ class TrainerArgs:
             accum = accum or 1
             total = per_step * accum
         elif total % per_step:
-            raise ConfigError(format_error("global_batch_size", total, f"a multiple of {how} = {per_step}"),
-                              path="global_batch_size")
+            raise ConfigError(
+                format_error("global_batch_size", total, f"a multiple of {how} = {per_step}"), path="global_batch_size"
+            )
         elif accum is None:
             accum = total // per_step
         elif total != per_step * accum:
-            raise ConfigError(format_error("grad_accumulation_steps", accum,
-                                           f"global_batch_size / ({how}) = {total} / {per_step} = {total // per_step}"),
-                              path="grad_accumulation_steps")
+            raise ConfigError(
+                format_error(
+                    "grad_accumulation_steps",
+                    accum,
+                    f"global_batch_size / ({how}) = {total} / {per_step} = {total // per_step}",
+                ),
+                path="grad_accumulation_steps",
+            )
         return dataclasses.replace(self, global_batch_size=total, grad_accumulation_steps=accum)
 
 
@@ -257,8 +304,15 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
     for key, raw, delete in parsed:
         if not delete and isinstance(raw, str):
             parent, _, last = key.rpartition(".")
-            if last == VALUE_KEY and parent and (parent in value_typed or isinstance(
-                    get_path(cfg or {}, parent, None), Mapping) and VALUE_TYPE_KEY in get_path(cfg or {}, parent)):
+            if (
+                last == VALUE_KEY
+                and parent
+                and (
+                    parent in value_typed
+                    or isinstance(get_path(cfg or {}, parent, None), Mapping)
+                    and VALUE_TYPE_KEY in get_path(cfg or {}, parent)
+                )
+            ):
                 out.append((key, raw, delete))  # converted by value_type(raw) when built: no guessing first
                 continue
             annotation = annotation_at(TrainerArgs, key, cfg)
@@ -289,7 +343,8 @@ def _build_typed_fields(cfg: dict[str, Any], cls: type | None = None, path: str 
                 _build_typed_fields(value, classes[0], where)
             continue
         if (TYPE_KEY in value or VALUE_TYPE_KEY in value) and not any(
-                a is Any or a is dict or typing.get_origin(a) is dict for a in arms):
+            a is Any or a is dict or typing.get_origin(a) is dict for a in arms
+        ):
             cfg[name] = build_value(value, where)
 
 
@@ -298,8 +353,9 @@ def _check_vars(cfg: dict[str, Any]) -> None:
     field, and goes once the references are resolved. It must be a mapping."""
     variables = cfg.get("vars")
     if variables is not None and not isinstance(variables, Mapping):
-        raise ConfigError(format_error("vars", variables, "a mapping of names to values, referenced as $(vars.name)"),
-                          path="vars")
+        raise ConfigError(
+            format_error("vars", variables, "a mapping of names to values, referenced as $(vars.name)"), path="vars"
+        )
 
 
 def _add_missing_lists(cfg: dict[str, Any], key: str) -> None:
@@ -338,13 +394,19 @@ def _read(source: str | os.PathLike | Mapping[str, Any] | None) -> dict[str, Any
         except FileNotFoundError:
             raise ConfigError(f"config file {os.fspath(source)!r} does not exist", path=os.fspath(source)) from None
         except Exception as e:  # the file's own code failed: report it on one line
-            raise ConfigError(f"{os.fspath(source)}: running the config file failed: {type(e).__name__}: {e}",
-                              path=os.fspath(source)) from e
+            raise ConfigError(
+                f"{os.fspath(source)}: running the config file failed: {type(e).__name__}: {e}", path=os.fspath(source)
+            ) from e
     return load_yaml(source)
 
 
-def load_trainer_args(path: str | os.PathLike | Mapping[str, Any] | None, overrides: Iterable[str] = (), *,
-                      world_size: int | None = None, check: bool = True) -> TrainerArgs:
+def load_trainer_args(
+    path: str | os.PathLike | Mapping[str, Any] | None,
+    overrides: Iterable[str] = (),
+    *,
+    world_size: int | None = None,
+    check: bool = True,
+) -> TrainerArgs:
     """Read a YAML file, apply dotted overrides and ``$(refs)``, check everything, resolve for the world.
 
     Args:

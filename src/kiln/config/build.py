@@ -19,8 +19,7 @@ from typing import Any
 
 from kiln.config.overrides import ConfigError, close_match
 
-__all__ = ["TYPE_KEY", "VALUE_KEY", "VALUE_TYPE_KEY", "build_value", "check_arguments", "check_value",
-           "import_type"]
+__all__ = ["TYPE_KEY", "VALUE_KEY", "VALUE_TYPE_KEY", "build_value", "check_arguments", "check_value", "import_type"]
 
 TYPE_KEY = "__type"
 VALUE_TYPE_KEY = "__value_type"
@@ -46,8 +45,8 @@ def import_type(qualname: Any, path: str = "") -> Any:
     where = path or "type"
     if not isinstance(qualname, str) or not qualname.strip():
         raise ConfigError(
-            f"{where}: got {qualname!r}, expected a fully qualified name such as "
-            "'torch.optim.AdamW'", path=path)
+            f"{where}: got {qualname!r}, expected a fully qualified name such as 'torch.optim.AdamW'", path=path
+        )
     parts = qualname.strip().split(".")
     obj: Any = builtins
     start = 0
@@ -60,13 +59,13 @@ def import_type(qualname: Any, path: str = "") -> Any:
             # exists but fails to import one of its own dependencies is reported as such.
             if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
                 raise ConfigError(
-                    f"{where}: cannot import {qualname!r}: module {module!r} failed to import: {e}",
-                    path=path) from e
+                    f"{where}: cannot import {qualname!r}: module {module!r} failed to import: {e}", path=path
+                ) from e
             continue
         except ImportError as e:
             raise ConfigError(
-                f"{where}: cannot import {qualname!r}: module {module!r} failed to import: {e}",
-                path=path) from e
+                f"{where}: cannot import {qualname!r}: module {module!r} failed to import: {e}", path=path
+            ) from e
         start = n
         break
     for i in range(start, len(parts)):
@@ -82,13 +81,11 @@ def import_type(qualname: Any, path: str = "") -> Any:
                 reason = f"{owner!r} has no attribute {parts[i]!r}"
             match = close_match(parts[i], dir(obj))
             hint = f" (did you mean {'.'.join([*parts[:i], match])!r}?)" if match else ""
-            raise ConfigError(f"{where}: cannot import {qualname!r}: {reason}{hint}",
-                              path=path) from None
+            raise ConfigError(f"{where}: cannot import {qualname!r}: {reason}{hint}", path=path) from None
     return obj
 
 
-def _rejected_keywords(factory: Callable[..., Any], kwargs: dict[str, Any],
-                       error: TypeError) -> list[str]:
+def _rejected_keywords(factory: Callable[..., Any], kwargs: dict[str, Any], error: TypeError) -> list[str]:
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # builtins such as datetime.timedelta have no signature
@@ -106,8 +103,9 @@ def _signature(factory: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def _argument_error(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str, name: str,
-                    error: Exception) -> ConfigError:
+def _argument_error(
+    factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str, name: str, error: Exception
+) -> ConfigError:
     signature = _signature(factory)
     rejected = _rejected_keywords(factory, kwargs, error) if isinstance(error, TypeError) else []
     if rejected:
@@ -120,8 +118,7 @@ def _argument_error(factory: Callable[..., Any], args: list[Any], kwargs: dict[s
     return ConfigError(f"{path}: {name} rejected its arguments ({given}): {error}", path=path)
 
 
-def check_arguments(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str,
-                    name: str) -> None:
+def check_arguments(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str, name: str) -> None:
     """Check that ``factory(*args, **kwargs)`` binds to its signature, without calling it.
 
     Raises:
@@ -136,8 +133,7 @@ def check_arguments(factory: Callable[..., Any], args: list[Any], kwargs: dict[s
         raise _argument_error(factory, args, kwargs, path, name, e) from e
 
 
-def _call(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str,
-          name: str) -> Any:
+def _call(factory: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], path: str, name: str) -> Any:
     # Check the arguments first, so a TypeError raised inside the constructor is not mistaken
     # for a bad argument list.
     check_arguments(factory, args, kwargs, path, name)
@@ -166,16 +162,18 @@ def build_value(obj: Any, path: str = "") -> Any:
             bad = [k for k in kwargs if not isinstance(k, str)]
             if bad:
                 raise ConfigError(
-                    f"{path or 'config'}: got key {bad[0]!r} beside {TYPE_KEY}, expected "
-                    "argument names (strings)", path=path)
+                    f"{path or 'config'}: got key {bad[0]!r} beside {TYPE_KEY}, expected argument names (strings)",
+                    path=path,
+                )
             return _call(factory, [], kwargs, path or "config", str(name))
         if VALUE_TYPE_KEY in obj:
             extra = sorted(str(k) for k in obj if k not in (VALUE_TYPE_KEY, VALUE_KEY))
             if extra or VALUE_KEY not in obj:
                 problem = f"extra key(s) {extra}" if extra else f"no {VALUE_KEY!r} key"
                 raise ConfigError(
-                    f"{path or 'config'}: {problem}, expected exactly the keys "
-                    f"{VALUE_TYPE_KEY!r} and {VALUE_KEY!r}", path=path)
+                    f"{path or 'config'}: {problem}, expected exactly the keys {VALUE_TYPE_KEY!r} and {VALUE_KEY!r}",
+                    path=path,
+                )
             name = obj[VALUE_TYPE_KEY]
             if name == FUNCTION_VALUE_TYPE:  # nnScaler: the value names a function to pass as it is
                 return import_type(obj[VALUE_KEY], _sub(path, VALUE_KEY))

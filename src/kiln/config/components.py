@@ -15,9 +15,19 @@ from kiln.config.overrides import ConfigError, close_match, format_error
 from kiln.config.types import check_fields
 
 __all__ = [
-    "CheckpointConfig", "CriterionConfig", "DataloaderConfig", "DatasetConfig",
-    "DatasetSamplerConfig", "HookConfig", "HookMapConfig", "LRSchedulerConfig", "LogConfig", "ModelConfig",
-    "OptimizerConfig", "check_count", "require",
+    "CheckpointConfig",
+    "CriterionConfig",
+    "DataloaderConfig",
+    "DatasetConfig",
+    "DatasetSamplerConfig",
+    "HookConfig",
+    "HookMapConfig",
+    "LRSchedulerConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "check_count",
+    "require",
 ]
 
 
@@ -94,13 +104,16 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.clip_gnorm is not None and self.clip_gnorm < 0:
-            raise ConfigError(format_error("clip_gnorm", self.clip_gnorm, "a number >= 0 (0 = no clipping)"),
-                              path="clip_gnorm")
+            raise ConfigError(
+                format_error("clip_gnorm", self.clip_gnorm, "a number >= 0 (0 = no clipping)"), path="clip_gnorm"
+            )
         for name in ("grad_reduction", "loss_reduction"):
             if getattr(self, name) == "per-token-mean" and not self.aggregate_outputs_fn:
-                raise ConfigError(f"aggregate_outputs_fn: is not set, expected the name of a function returning "
-                                  f"AggregatedOutputs with num_tokens, because {name} is 'per-token-mean'",
-                                  path="aggregate_outputs_fn")
+                raise ConfigError(
+                    f"aggregate_outputs_fn: is not set, expected the name of a function returning "
+                    f"AggregatedOutputs with num_tokens, because {name} is 'per-token-mean'",
+                    path="aggregate_outputs_fn",
+                )
 
 
 @dataclass(kw_only=True)
@@ -143,12 +156,18 @@ class DataloaderConfig:
             for key in ("dataset", "batch_size", "sampler"):
                 if key in getattr(self, stage):
                     instead = "micro_batch_size" if key == "batch_size" else f"the {key} config"
-                    raise ConfigError(f"{stage}.{key}: kiln sets this argument itself; set {instead} instead",
-                                      path=f"{stage}.{key}")
+                    raise ConfigError(
+                        f"{stage}.{key}: kiln sets this argument itself; set {instead} instead", path=f"{stage}.{key}"
+                    )
         if "shuffle" in self.train_args:  # torch refuses shuffle= together with a sampler
-            raise ConfigError(format_error("train_args.shuffle", self.train_args["shuffle"], "no shuffle here: kiln "
-                                           "passes a sampler; set dataset_sampler.train_args.shuffle instead"),
-                              path="train_args.shuffle")
+            raise ConfigError(
+                format_error(
+                    "train_args.shuffle",
+                    self.train_args["shuffle"],
+                    "no shuffle here: kiln passes a sampler; set dataset_sampler.train_args.shuffle instead",
+                ),
+                path="train_args.shuffle",
+            )
 
 
 SAMPLER_FILLED = ("dataset", "num_replicas", "rank")
@@ -234,21 +253,28 @@ class CheckpointConfig:
         if self.every_n_train_steps is not None and self.every_n_epochs is not None:
             raise ConfigError(
                 f"every_n_epochs: got {self.every_n_epochs} while every_n_train_steps is {self.every_n_train_steps}, "
-                "expected only one of them to be set", path="every_n_epochs")
+                "expected only one of them to be set",
+                path="every_n_epochs",
+            )
         if not self.save_dir and (not self.no_save or self.resume_from in ("last", "best")):
             raise ConfigError(format_error("save_dir", self.save_dir, "a folder path"), path="save_dir")
         if self.resume_from is not None and self.resume_from not in ("last", "best"):
             import os
 
             if not os.path.exists(self.resume_from):
-                raise ConfigError(format_error("resume_from", self.resume_from,
-                                               "'last', 'best' or the path of an existing checkpoint"),
-                                  path="resume_from")
+                raise ConfigError(
+                    format_error(
+                        "resume_from", self.resume_from, "'last', 'best' or the path of an existing checkpoint"
+                    ),
+                    path="resume_from",
+                )
 
 
 _BUILTIN_LOGGERS = {
-    "console": "kiln.loggers.ConsoleLogger", "file": "kiln.loggers.FileLogger",
-    "tensorboard": "kiln.loggers.TensorBoardLogger", "wandb": "kiln.loggers.WandBLogger",
+    "console": "kiln.loggers.ConsoleLogger",
+    "file": "kiln.loggers.FileLogger",
+    "tensorboard": "kiln.loggers.TensorBoardLogger",
+    "wandb": "kiln.loggers.WandBLogger",
     "mlflow": "kiln.loggers.MLflowLogger",
 }
 
@@ -274,8 +300,13 @@ class LogConfig:
             if name not in _BUILTIN_LOGGERS:
                 match = close_match(name, _BUILTIN_LOGGERS)
                 hint = f" (did you mean {match!r}?)" if match else ""
-                raise ConfigError(format_error("type", self.type, "one of " + ", ".join(_BUILTIN_LOGGERS)
-                                               + " or a fully qualified class name") + hint, path="type")
+                raise ConfigError(
+                    format_error(
+                        "type", self.type, "one of " + ", ".join(_BUILTIN_LOGGERS) + " or a fully qualified class name"
+                    )
+                    + hint,
+                    path="type",
+                )
             self.type = _BUILTIN_LOGGERS[name]
 
 

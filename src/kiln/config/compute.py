@@ -16,7 +16,7 @@ PAS_POLICIES = {"autodist": "auto", "dp": "ddp", "data": "ddp", "tp": "hybrid", 
 # Built-in policies kiln cannot mean without more from the user: what to write instead.
 _PAS_INSTEAD = {
     "pp": "nnScaler splits the model into stages itself; kiln needs the stage boundaries: set compute_config.strategy "
-          "'hybrid' with compute_config.pp N and compute_config.strategy_options.split_points [module names]",
+    "'hybrid' with compute_config.pp N and compute_config.strategy_options.split_points [module names]",
 }
 
 
@@ -72,14 +72,17 @@ class ComputeConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if not 0 < self.timeout < float("inf"):  # NaN fails too
-            raise ConfigError(format_error("timeout", self.timeout, "a positive number of seconds, e.g. 600"),
-                              path="timeout")
+            raise ConfigError(
+                format_error("timeout", self.timeout, "a positive number of seconds, e.g. 600"), path="timeout"
+            )
         for name in ("dp_replicate", "tp", "pp", "plan_ngpus", "runtime_ngpus"):
             check_count(self, name)
         check_count(self, "dp_shard", also=(-1,))
         if self.zero_ngroups != 1:
-            raise ConfigError(format_error("zero_ngroups", self.zero_ngroups, "1 (kiln shards over the whole "
-                                           "data-parallel group)"), path="zero_ngroups")
+            raise ConfigError(
+                format_error("zero_ngroups", self.zero_ngroups, "1 (kiln shards over the whole data-parallel group)"),
+                path="zero_ngroups",
+            )
         if self.inference_only:
             raise ConfigError(format_error("inference_only", True, "false: kiln train trains"), path="inference_only")
 
@@ -87,26 +90,48 @@ class ComputeConfig:
         """The kiln strategy for nnScaler's built-in ``pas_policy`` (compute_config.strategy unset)."""
         known = ", ".join(PAS_POLICIES)
         if pas_policy in _PAS_INSTEAD:
-            raise ConfigError(format_error("pas_policy", pas_policy, f"one of {known}: {_PAS_INSTEAD[pas_policy]}"),
-                              path="pas_policy")
+            raise ConfigError(
+                format_error("pas_policy", pas_policy, f"one of {known}: {_PAS_INSTEAD[pas_policy]}"), path="pas_policy"
+            )
         if pas_policy not in PAS_POLICIES:
             match = close_match(pas_policy, [*PAS_POLICIES, *_PAS_INSTEAD])
             hint = f" (did you mean {match!r}?)" if match and "." not in pas_policy else ""
-            raise ConfigError(format_error("pas_policy", pas_policy, f"one of nnScaler's built-in policies {known}; "
-                                           "kiln does not run policy functions: set compute_config.strategy to a "
-                                           "kiln.parallel strategy instead") + hint, path="pas_policy")
+            raise ConfigError(
+                format_error(
+                    "pas_policy",
+                    pas_policy,
+                    f"one of nnScaler's built-in policies {known}; "
+                    "kiln does not run policy functions: set compute_config.strategy to a "
+                    "kiln.parallel strategy instead",
+                )
+                + hint,
+                path="pas_policy",
+            )
         plan = self.plan_ngpus or 1
         if pas_policy == "dp" and plan > 1:  # nnScaler's pas_dp refuses the same
-            raise ConfigError(format_error("compute_config.plan_ngpus", plan, "1 with pas_policy 'dp' (pure data "
-                                           "parallelism); use pas_policy 'tp' to split the model over plan_ngpus"),
-                              path="compute_config.plan_ngpus")
+            raise ConfigError(
+                format_error(
+                    "compute_config.plan_ngpus",
+                    plan,
+                    "1 with pas_policy 'dp' (pure data "
+                    "parallelism); use pas_policy 'tp' to split the model over plan_ngpus",
+                ),
+                path="compute_config.plan_ngpus",
+            )
         if pas_policy == "tp" and plan == 1:
             return "ddp"  # one process per replica: nothing to split, as nnScaler's pas_tp does
         if pas_policy == "hybrid" and plan > 1:
-            raise ConfigError(format_error("pas_policy", pas_policy, f"a policy kiln can lay out: nnScaler's hybrid "
-                                           f"policy picks its own pipeline stages over plan_ngpus={plan}; set "
-                                           "compute_config.tp and compute_config.pp (with strategy_options."
-                                           "split_points when pp > 1), or pas_policy 'tp'"), path="pas_policy")
+            raise ConfigError(
+                format_error(
+                    "pas_policy",
+                    pas_policy,
+                    f"a policy kiln can lay out: nnScaler's hybrid "
+                    f"policy picks its own pipeline stages over plan_ngpus={plan}; set "
+                    "compute_config.tp and compute_config.pp (with strategy_options."
+                    "split_points when pp > 1), or pas_policy 'tp'",
+                ),
+                path="pas_policy",
+            )
         return PAS_POLICIES[pas_policy]
 
     def mesh_degrees(self, pas_policy: str) -> tuple[int, int]:
@@ -138,6 +163,11 @@ class ComputeConfig:
         if name not in known:
             match = close_match(name, known)
             hint = f" (did you mean {match!r}?)" if match else ""
-            raise ConfigError(format_error(path, value, f"a config for a known strategy; strategy {name!r} is not "
-                                           f"one of {', '.join(known)}") + hint, path=path)
+            raise ConfigError(
+                format_error(
+                    path, value, f"a config for a known strategy; strategy {name!r} is not one of {', '.join(known)}"
+                )
+                + hint,
+                path=path,
+            )
         return name

@@ -151,8 +151,12 @@ class HookCallback(Callback):
         if self.reduction is not None and self.reduction.last is not None:
             self._outputs = self.reduction.loss_outputs
             if "after_aggregate_train_step_outputs" in self.points:  # float() syncs with the device
-                self.call("after_aggregate_train_step_outputs", self.reduction.last, float(state.loss),
-                          state.timestamp.batch_in_epoch.value)
+                self.call(
+                    "after_aggregate_train_step_outputs",
+                    self.reduction.last,
+                    float(state.loss),
+                    state.timestamp.batch_in_epoch.value,
+                )
         self.call("before_sync_grad")
         self.call("after_sync_grad")
         self.call("before_gnorm_clip")
@@ -161,8 +165,11 @@ class HookCallback(Callback):
         # The Engine has unscaled and clipped once between AFTER_TRAIN_BATCH and this event.
         engine = self.trainer.engine
         if "after_gnorm_clip" in self.points:
-            gnorm = (engine.last_grad_norm if self.clips  # an infinite max norm measures without clipping
-                     else engine.strategy.clip_grad_norm_(engine.model, float("inf")))
+            gnorm = (
+                engine.last_grad_norm
+                if self.clips  # an infinite max norm measures without clipping
+                else engine.strategy.clip_grad_norm_(engine.model, float("inf"))
+            )
             self.call("after_gnorm_clip", gnorm)
         self.call("before_optimizer_step")
 

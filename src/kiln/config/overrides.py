@@ -116,8 +116,8 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"{name}: the top level is a {type(data).__name__}, expected a mapping of "
-            "field names to values", path=name)
+            f"{name}: the top level is a {type(data).__name__}, expected a mapping of field names to values", path=name
+        )
     return data
 
 
@@ -148,12 +148,15 @@ def _parse_key(text: str, token: str) -> tuple[str, bool]:
     if not key or any(not segment for segment in key.split(".")):
         raise ConfigError(
             f"{key or token}: bad option {token!r}, expected --dotted.key VALUE, "
-            "--dotted.key=VALUE or --dotted.key! (delete)", path=key)
+            "--dotted.key=VALUE or --dotted.key! (delete)",
+            path=key,
+        )
     return key, delete
 
 
-def parse_overrides(argv: Iterable[str], *, guess: bool = True,
-                    flag: Callable[[str], bool] | None = None) -> list[tuple[str, Any, bool]]:
+def parse_overrides(
+    argv: Iterable[str], *, guess: bool = True, flag: Callable[[str], bool] | None = None
+) -> list[tuple[str, Any, bool]]:
     """Parse ``--a.b.c value``, ``--a.b.c=value`` and ``--a.b.c!`` into ``(key, value, delete)``.
 
     Args:
@@ -169,8 +172,9 @@ def parse_overrides(argv: Iterable[str], *, guess: bool = True,
 
     def missing_value(key: str, token: str) -> ConfigError:
         return ConfigError(
-            f"{key}: no value given for {token!r}, expected {token} VALUE, {token}=VALUE "
-            f"or {token}! to delete the key", path=key)
+            f"{key}: no value given for {token!r}, expected {token} VALUE, {token}=VALUE or {token}! to delete the key",
+            path=key,
+        )
 
     def bare(key: str, token: str) -> None:
         if flag is None or not flag(key):
@@ -198,8 +202,8 @@ def parse_overrides(argv: Iterable[str], *, guess: bool = True,
             pending = None
         else:
             raise ConfigError(
-                f"unexpected argument {token!r}, expected --dotted.key VALUE "
-                "(a value must follow its --key)", path="")
+                f"unexpected argument {token!r}, expected --dotted.key VALUE (a value must follow its --key)", path=""
+            )
     if pending is not None:
         bare(*pending)
     return overrides
@@ -223,16 +227,14 @@ def _dict_key(node: Mapping[Any, Any], segment: str) -> Any:
 
 def _list_index(node: list[Any], segment: str, path: str, parent: str, *, append: bool) -> int:
     if not segment.isdigit():
-        raise ConfigError(
-            f"{path}: got key {segment!r}, expected a list index because {parent} is a list",
-            path=path)
+        raise ConfigError(f"{path}: got key {segment!r}, expected a list index because {parent} is a list", path=path)
     index, size = int(segment), len(node)
     if index > size or (index == size and not append):
         allowed = f"0-{size - 1}" if size else "none"
         extra = f", or {size} to append" if append else ""
         raise ConfigError(
-            f"{path}: index {index} is out of range, {parent} has {size} item(s) "
-            f"(indices {allowed}{extra})", path=path)
+            f"{path}: index {index} is out of range, {parent} has {size} item(s) (indices {allowed}{extra})", path=path
+        )
     return index
 
 
@@ -250,15 +252,13 @@ def _step(node: Any, segment: str, parents: list[Any]) -> Any:
     if isinstance(node, Mapping):
         key = _dict_key(node, segment)
         if key is _MISSING:
-            raise ConfigError(
-                f"{here}: unknown key {segment!r} in {parent}{_did_you_mean(segment, node)}",
-                path=here)
+            raise ConfigError(f"{here}: unknown key {segment!r} in {parent}{_did_you_mean(segment, node)}", path=here)
         return key
     if isinstance(node, list):
         return _list_index(node, segment, here, parent, append=False)
     raise ConfigError(
-        f"{here}: {parent} is {_short_repr(node)} ({type(node).__name__}), "
-        "expected a mapping or a list", path=here)
+        f"{here}: {parent} is {_short_repr(node)} ({type(node).__name__}), expected a mapping or a list", path=here
+    )
 
 
 def _walk(cfg: Any, dotted: str) -> tuple[list[Any], Any]:
@@ -351,8 +351,7 @@ def _unescape(text: str) -> str:
     return text.replace("$\\(", "$(").replace("$\\{", "${")
 
 
-def resolve_references(cfg: Mapping[str, Any], *,
-                       environ: Mapping[str, str] | None = os.environ) -> dict[str, Any]:
+def resolve_references(cfg: Mapping[str, Any], *, environ: Mapping[str, str] | None = os.environ) -> dict[str, Any]:
     """A new config with every ``$(a.b.c)`` / ``${a.b.c}`` replaced by the value at that path.
 
     A string that is exactly one reference takes the referenced value with its type (a copy);
@@ -374,8 +373,7 @@ def resolve_references(cfg: Mapping[str, Any], *,
     def mark_done(keys: tuple[Any, ...], value: Any) -> None:
         # A substituted value is final: an unescaped "$(" inside it must not be read again.
         done.add(keys)
-        children = value.items() if isinstance(value, dict) else (
-            enumerate(value) if isinstance(value, list) else ())
+        children = value.items() if isinstance(value, dict) else (enumerate(value) if isinstance(value, list) else ())
         for key, child in children:
             mark_done((*keys, key), child)
 
@@ -404,8 +402,8 @@ def resolve_references(cfg: Mapping[str, Any], *,
                     values[ref] = environ[ref]
                     continue
                 raise _ResolveError(
-                    f"{holder}: reference {match.group(0)!r} cannot be resolved: {e}",
-                    path=holder) from None
+                    f"{holder}: reference {match.group(0)!r} cannot be resolved: {e}", path=holder
+                ) from None
         whole = _REFERENCE.fullmatch(text)
         if whole is not None:
             return copy.deepcopy(values[(whole.group(1) or whole.group(2)).strip()])
@@ -416,9 +414,8 @@ def resolve_references(cfg: Mapping[str, Any], *,
         if keys in done:
             return value_at(keys)
         if keys in stack:
-            chain = [_join(k) for k in stack[stack.index(keys):]] + [_join(keys)]
-            raise _ResolveError(f"{chain[0]}: circular reference {' -> '.join(chain)}",
-                                path=chain[0])
+            chain = [_join(k) for k in stack[stack.index(keys) :]] + [_join(keys)]
+            raise _ResolveError(f"{chain[0]}: circular reference {' -> '.join(chain)}", path=chain[0])
         stack.append(keys)
         node = value_at(keys)
         if isinstance(node, dict):

@@ -67,9 +67,11 @@ def check_components(args: TrainerArgs) -> None:
     if args.criterion is not None:
         _component(args.criterion.type, "criterion", [], args.criterion.args, "criterion.args")
     elif args.compute_config.use_end2end is False and not is_kiln_model_type(model):
-        raise ConfigError("compute_config.use_end2end: got False, but the model is not a kiln.Model and no criterion "
-                          "is set; expected true (forward(batch) returns the loss) or a criterion",
-                          path="compute_config.use_end2end")
+        raise ConfigError(
+            "compute_config.use_end2end: got False, but the model is not a kiln.Model and no criterion "
+            "is set; expected true (forward(batch) returns the loss) or a criterion",
+            path="compute_config.use_end2end",
+        )
     opt = args.optimizer
     _component(opt.type, "optimizer", [_FILLED], opt.args, "optimizer.args")
     _function(opt.aggregate_outputs_fn, "optimizer.aggregate_outputs_fn")
@@ -84,14 +86,25 @@ def check_components(args: TrainerArgs) -> None:
         if stage == "val_args" and not given:
             continue
         kwargs = {k: v for k, v in given.items() if k not in SAMPLER_FILLED}
-        _component(sampler.type, "dataset_sampler", [], {**dict.fromkeys(SAMPLER_FILLED, _FILLED), **kwargs},
-                   f"dataset_sampler.{stage}")
+        _component(
+            sampler.type,
+            "dataset_sampler",
+            [],
+            {**dict.fromkeys(SAMPLER_FILLED, _FILLED), **kwargs},
+            f"dataset_sampler.{stage}",
+        )
     loader = args.dataloader
-    _component(loader.type, "dataloader", [], _loader_kwargs(loader.train_args, "dataloader.train_args"),
-               "dataloader.train_args")
+    _component(
+        loader.type,
+        "dataloader",
+        [],
+        _loader_kwargs(loader.train_args, "dataloader.train_args"),
+        "dataloader.train_args",
+    )
     if data.val_args and loader.val_args:
-        _component(loader.type, "dataloader", [], _loader_kwargs(loader.val_args, "dataloader.val_args"),
-                   "dataloader.val_args")
+        _component(
+            loader.type, "dataloader", [], _loader_kwargs(loader.val_args, "dataloader.val_args"), "dataloader.val_args"
+        )
 
     if args.lr_scheduler is not None:
         _component(args.lr_scheduler.type, "lr_scheduler", [_FILLED], args.lr_scheduler.args, "lr_scheduler.args")

@@ -53,22 +53,30 @@ class AggregatedOutputs:
     aggregated_outputs: Any = None
 
     @classmethod
-    def aggregate(cls, loss_outputs: list[Any], sync_group: Any,
-                  loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                  ntokens_fn: Callable[[Any], Any] | None = None) -> AggregatedOutputs:
+    def aggregate(
+        cls,
+        loss_outputs: list[Any],
+        sync_group: Any,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        ntokens_fn: Callable[[Any], Any] | None = None,
+    ) -> AggregatedOutputs:
         """Sum ``loss_fn(output)`` (default: the first element) and ``ntokens_fn(output)`` over all ranks."""
         loss_fn = loss_fn or first_loss
         losses = [torch.as_tensor(loss_fn(o), dtype=torch.float64).detach().cpu() for o in loss_outputs]
         ntokens = [float(ntokens_fn(o)) for o in loss_outputs] if ntokens_fn is not None else [0.0]
-        totals = torch.tensor([float(torch.stack(losses).sum()) if losses else 0.0, float(len(losses)),
-                               sum(ntokens)], dtype=torch.float64)
+        totals = torch.tensor(
+            [float(torch.stack(losses).sum()) if losses else 0.0, float(len(losses)), sum(ntokens)], dtype=torch.float64
+        )
         if dist.is_available() and dist.is_initialized():
             # one collective for all three sums, on the device the backend syncs (NCCL: this rank's GPU)
             totals = totals.to(context().device)
             dist.all_reduce(totals, group=sync_group)
         loss_sum, num_batches, num_tokens = totals.tolist()
-        return cls(loss_sum=loss_sum, num_batches=int(num_batches),
-                   num_tokens=int(num_tokens) if ntokens_fn is not None else None)
+        return cls(
+            loss_sum=loss_sum,
+            num_batches=int(num_batches),
+            num_tokens=int(num_tokens) if ntokens_fn is not None else None,
+        )
 
 
 def first_loss(output: Any) -> torch.Tensor:
@@ -103,9 +111,15 @@ class GradReduction(Callback):
         sync_group: the process group passed to ``aggregate_fn`` (``None``: the default group).
     """
 
-    def __init__(self, grad_reduction: str = "mean", loss_reduction: str = "mean",
-                 aggregate_fn: Callable[[list[Any], Any], AggregatedOutputs] | None = None,
-                 data_parallel_size: int = 1, end_to_end: bool = True, sync_group: Any = None) -> None:
+    def __init__(
+        self,
+        grad_reduction: str = "mean",
+        loss_reduction: str = "mean",
+        aggregate_fn: Callable[[list[Any], Any], AggregatedOutputs] | None = None,
+        data_parallel_size: int = 1,
+        end_to_end: bool = True,
+        sync_group: Any = None,
+    ) -> None:
         self.grad_reduction, self.loss_reduction = grad_reduction, loss_reduction
         self.aggregate_fn = aggregate_fn or aggregate_outputs
         self.data_parallel_size, self.end_to_end, self.sync_group = data_parallel_size, end_to_end, sync_group
@@ -156,8 +170,10 @@ def summed_loss(agg: AggregatedOutputs) -> float:
 
 def _required(value: Any, name: str, reduction: str) -> float:
     if not value:
-        raise RuntimeError(f"aggregate_outputs_fn returned AggregatedOutputs with {name}={value!r}; "
-                           f"reduction {reduction!r} needs a positive {name}")
+        raise RuntimeError(
+            f"aggregate_outputs_fn returned AggregatedOutputs with {name}={value!r}; "
+            f"reduction {reduction!r} needs a positive {name}"
+        )
     return float(value)
 
 
@@ -182,7 +198,8 @@ def as_end_to_end(model: torch.nn.Module) -> torch.nn.Module:
         return model
     cls = type(model)
     if cls not in _END_TO_END:
-        _END_TO_END[cls] = type(cls.__name__, (cls, EndToEndModel),
-                                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _END_TO_END[cls] = type(
+            cls.__name__, (cls, EndToEndModel), {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     model.__class__ = _END_TO_END[cls]
     return model

@@ -54,8 +54,13 @@ def build_precision(spec: str | dict[str, str] | None) -> str | Precision | None
     if isinstance(spec, str):
         return spec
     dtypes = {k: None if spec.get(k, "none") == "none" else DTYPES[spec[k]] for k in TENSOR_TYPES}
-    return Precision("custom", param_dtype=dtypes["param"], buffer_dtype=dtypes["buffer"],
-                     input_dtype=dtypes["input"], scaled=dtypes["param"] is torch.float16)
+    return Precision(
+        "custom",
+        param_dtype=dtypes["param"],
+        buffer_dtype=dtypes["buffer"],
+        input_dtype=dtypes["input"],
+        scaled=dtypes["param"] is torch.float16,
+    )
 
 
 def _make(type_name: str | None, where: str, /, *positional: Any, **kwargs: Any) -> Any:
@@ -125,8 +130,14 @@ def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int) -> tuple[Any, Any]:
         sampler_args = getattr(sampler_cfg, f"{stage}_args")
         if stage == "train" or sampler_args:  # validation data without a sampler is split by the Trainer
             kwargs = {k: v for k, v in sampler_args.items() if k not in SAMPLER_FILLED}
-            sampler = _make(sampler_cfg.type, "dataset_sampler", dataset=dataset, num_replicas=dp, rank=dp_rank,
-                            **build_value(kwargs, f"dataset_sampler.{stage}_args"))
+            sampler = _make(
+                sampler_cfg.type,
+                "dataset_sampler",
+                dataset=dataset,
+                num_replicas=dp,
+                rank=dp_rank,
+                **build_value(kwargs, f"dataset_sampler.{stage}_args"),
+            )
         loader_args = getattr(loader_cfg, f"{stage}_args") or loader_cfg.train_args
         kwargs = build_value(loader_args, f"dataloader.{stage}_args")
         if isinstance(kwargs.get("collate_fn"), str):
@@ -172,14 +183,18 @@ def _load_path(args: TrainerArgs) -> str | None:
         return ckpt.resume_from
     if not os.path.exists(Path(ckpt.save_dir) / ckpt.resume_from):
         if context().rank == 0:
-            warnings.warn(f"checkpoint.resume_from: {ckpt.resume_from!r} does not exist in {ckpt.save_dir!r}; "
-                          "training starts from scratch", stacklevel=2)
+            warnings.warn(
+                f"checkpoint.resume_from: {ckpt.resume_from!r} does not exist in {ckpt.save_dir!r}; "
+                "training starts from scratch",
+                stacklevel=2,
+            )
         return None
     return ckpt.resume_from if not ckpt.no_save else str(Path(ckpt.save_dir) / ckpt.resume_from)
 
 
-def _callbacks(args: TrainerArgs, components: tuple[Any, ...], end_to_end: bool, dp: int,
-               world_size: int) -> tuple[list[Any], HookCallback | None]:
+def _callbacks(
+    args: TrainerArgs, components: tuple[Any, ...], end_to_end: bool, dp: int, world_size: int
+) -> tuple[list[Any], HookCallback | None]:
     """The reduction callback (when not the Trainer's own mean) and the hook adapter, in that order."""
     hooks = [obj for obj in components if isinstance(obj, TrainHook)]  # model, optimizer, scheduler first
     if isinstance(args.hook, HookConfig):
@@ -195,8 +210,9 @@ def _callbacks(args: TrainerArgs, components: tuple[Any, ...], end_to_end: bool,
         if opt.aggregate_outputs_fn:
             aggregate = import_type(opt.aggregate_outputs_fn, "optimizer.aggregate_outputs_fn")
             _single_process_group(world_size)
-        reduction = GradReduction(opt.grad_reduction, opt.loss_reduction, aggregate, data_parallel_size=dp,
-                                  end_to_end=end_to_end)
+        reduction = GradReduction(
+            opt.grad_reduction, opt.loss_reduction, aggregate, data_parallel_size=dp, end_to_end=end_to_end
+        )
         callbacks.append(reduction)
         if hook_callback is not None:
             hook_callback.reduction = reduction
@@ -238,12 +254,17 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     if args.seed is not None:  # before the model is built: the same initial weights on every rank
         seed_everything(args.seed)
     model, criterion, end_to_end = _model(args)
-    optimizer = _make(args.optimizer.type, "optimizer", model.parameters(),
-                      **build_value(args.optimizer.args, "optimizer.args"))
+    optimizer = _make(
+        args.optimizer.type, "optimizer", model.parameters(), **build_value(args.optimizer.args, "optimizer.args")
+    )
     scheduler = None
     if args.lr_scheduler is not None:
-        scheduler = _make(args.lr_scheduler.type, "lr_scheduler", optimizer,
-                          **build_value(args.lr_scheduler.args, "lr_scheduler.args"))
+        scheduler = _make(
+            args.lr_scheduler.type,
+            "lr_scheduler",
+            optimizer,
+            **build_value(args.lr_scheduler.args, "lr_scheduler.args"),
+        )
     dp = args.data_parallel_size(ctx.world_size)
     train_dl, val_dl = _dataloaders(args, dp, ctx.rank // cc.mesh_size)
     loggers = [_make(log.type, f"log.{i}", **build_value(log.args, f"log.{i}.args")) for i, log in enumerate(args.log)]
@@ -255,18 +276,32 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     steps_per_epoch = len(train_dl) if hasattr(train_dl, "__len__") else None
     schedules = _Schedules(args)
     trainer = Trainer(
-        model, train_dataloader=train_dl, eval_dataloader=val_dl,
-        max_duration=_max_duration(args, steps_per_epoch), optimizers=optimizer, schedulers=scheduler,
-        criterion=criterion, precision=build_precision(args.precision), strategy=strategy,
-        grad_accum=args.grad_accumulation_steps or 1, clip_grad_norm=args.optimizer.clip_gnorm or None,
-        callbacks=[*extra, *callbacks], loggers=loggers,
-        eval_interval=schedules.eval_due, eval_subset_num_batches=args.max_val_steps,
-        save_folder=None if ckpt.no_save else ckpt.save_dir, save_interval=schedules.save_due,
-        save_num_checkpoints_to_keep=ckpt.keep_last_n_checkpoints or -1, save_type=ckpt.save_type,
+        model,
+        train_dataloader=train_dl,
+        eval_dataloader=val_dl,
+        max_duration=_max_duration(args, steps_per_epoch),
+        optimizers=optimizer,
+        schedulers=scheduler,
+        criterion=criterion,
+        precision=build_precision(args.precision),
+        strategy=strategy,
+        grad_accum=args.grad_accumulation_steps or 1,
+        clip_grad_norm=args.optimizer.clip_gnorm or None,
+        callbacks=[*extra, *callbacks],
+        loggers=loggers,
+        eval_interval=schedules.eval_due,
+        eval_subset_num_batches=args.max_val_steps,
+        save_folder=None if ckpt.no_save else ckpt.save_dir,
+        save_interval=schedules.save_due,
+        save_num_checkpoints_to_keep=ckpt.keep_last_n_checkpoints or -1,
+        save_type=ckpt.save_type,
         save_best="eval/loss" if ckpt.save_best and val_dl is not None else None,
-        load_path=_load_path(args), seed=args.seed, progress_bar=args.enable_progress_bar,
+        load_path=_load_path(args),
+        seed=args.seed,
+        progress_bar=args.enable_progress_bar,
         step_schedulers_every_batch=args.lr_scheduler is not None and args.lr_scheduler.interval == "step",
-        run_name=args.instance_name, config=args.to_dict(),
+        run_name=args.instance_name,
+        config=args.to_dict(),
     )
     schedules.trainer = trainer
     if hook_callback is not None:

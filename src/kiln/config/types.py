@@ -22,8 +22,17 @@ from typing import Any, Literal, TypeGuard, Union
 
 from kiln.config.overrides import ConfigError, close_match, format_error
 
-__all__ = ["annotation_at", "build_dataclass", "check_fields", "field_docs", "is_dataclass_type", "is_text_type",
-           "prefixed", "to_plain", "type_name"]
+__all__ = [
+    "annotation_at",
+    "build_dataclass",
+    "check_fields",
+    "field_docs",
+    "is_dataclass_type",
+    "is_text_type",
+    "prefixed",
+    "to_plain",
+    "type_name",
+]
 
 _NONE = type(None)
 
@@ -35,7 +44,7 @@ def prefixed(error: ConfigError, parent: str) -> ConfigError:
     message, path = str(error), error.path
     if path and message.startswith(path):
         full = f"{parent}.{path}"
-        return ConfigError(full + message[len(path):], path=full)
+        return ConfigError(full + message[len(path) :], path=full)
     return ConfigError(f"{parent}: {message}", path=parent)
 
 
@@ -95,11 +104,13 @@ def _expected(annotation: Any) -> str:
 
 def _pick_dataclass(arms: list[type], value: Mapping[str, Any]) -> type:
     """The dataclass of a union that a mapping means: the one whose fields cover the most keys."""
+
     def score(cls: type) -> tuple[int, int, int]:
         names = {f.name for f in dataclasses.fields(cls)}
         exact = sum(k in names for k in value)
         close = sum(close_match(k, names) is not None for k in value if k not in names)
         return (exact, close, -len(names))
+
     return max(arms, key=score)
 
 
@@ -214,7 +225,7 @@ def field_docs(cls: type) -> dict[str, str]:
     except StopIteration:
         return docs
     indent, current = None, None
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.strip():
             if docs:
                 break

@@ -39,8 +39,10 @@ def num_samples(batch: Any) -> int:
         scalar = True
     if scalar:
         return 1
-    raise ValueError(f"cannot count the samples of a batch of type {type(batch).__name__}: it holds no tensor; "
-                     "expected a tensor, an (inputs, targets) tuple or a dict of tensors")
+    raise ValueError(
+        f"cannot count the samples of a batch of type {type(batch).__name__}: it holds no tensor; "
+        "expected a tensor, an (inputs, targets) tuple or a dict of tensors"
+    )
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
@@ -103,8 +105,10 @@ def microbatch_weights(microbatches: Sequence[Any], weighting: str | Sequence[fl
     if not isinstance(weighting, str):
         weights = [float(w) for w in weighting]
         if len(weights) != len(microbatches):
-            raise ValueError(f"weighting has {len(weights)} factors for {len(microbatches)} microbatches; "
-                             "give one factor per microbatch")
+            raise ValueError(
+                f"weighting has {len(weights)} factors for {len(microbatches)} microbatches; "
+                "give one factor per microbatch"
+            )
         return weights
     if weighting == "samples":
         if len(microbatches) == 1:
@@ -118,7 +122,9 @@ def microbatch_weights(microbatches: Sequence[Any], weighting: str | Sequence[fl
         tokens = [num_tokens(mb) for mb in microbatches]
         total = sum(tokens)
         if total == 0:
-            raise ValueError("weighting='tokens' needs dict microbatches with an 'input_ids' tensor; these hold no "
-                             "tokens: use weighting='samples'")
+            raise ValueError(
+                "weighting='tokens' needs dict microbatches with an 'input_ids' tensor; these hold no "
+                "tokens: use weighting='samples'"
+            )
         return [count / total for count in tokens]
     raise ValueError(f"weighting={weighting!r}: expected one of {', '.join(WEIGHTINGS)} or a list of floats")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -103,10 +104,22 @@ class State:
     _stop: bool
     """Set by ``stop_training()``; the loop reads it after each batch."""
 
-    def __init__(self, model: nn.Module, *, rank: int = 0, world_size: int = 1, max_duration: Time | None = None,
-                 optimizers: Sequence[torch.optim.Optimizer] = (), schedulers: Sequence[Any] = (),
-                 precision: Any = None, device: torch.device | None = None, seed: int | None = None,
-                 algorithms: Sequence[Algorithm] = (), callbacks: Sequence[Callback] = (), run_name: str = "kiln") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        max_duration: Time | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        schedulers: Sequence[Any] = (),
+        precision: Any = None,
+        device: torch.device | None = None,
+        seed: int | None = None,
+        algorithms: Sequence[Algorithm] = (),
+        callbacks: Sequence[Callback] = (),
+        run_name: str = "kiln",
+    ) -> None:
         self.model = model
         self.rank = rank
         self.world_size = world_size

@@ -292,8 +292,13 @@ def resolve_fraction(time: Time, max_duration: Time) -> Time:
 _COUNTERS = ("epoch", "batch", "sample", "token", "batch_in_epoch", "sample_in_epoch", "token_in_epoch")
 _CLOCKS = ("total_wct", "epoch_wct", "batch_wct")
 _FIELDS = _COUNTERS + _CLOCKS
-_UNIT_FIELD = {TimeUnit.EPOCH: "_epoch", TimeUnit.BATCH: "_batch", TimeUnit.SAMPLE: "_sample",
-               TimeUnit.TOKEN: "_token", TimeUnit.SECOND: "_total_wct"}
+_UNIT_FIELD = {
+    TimeUnit.EPOCH: "_epoch",
+    TimeUnit.BATCH: "_batch",
+    TimeUnit.SAMPLE: "_sample",
+    TimeUnit.TOKEN: "_token",
+    TimeUnit.SECOND: "_total_wct",
+}
 
 
 def _seconds(value: Any) -> float:
@@ -354,9 +359,19 @@ class Timestamp:
     _epoch_wct: float
     _batch_wct: float
 
-    def __init__(self, epoch: int | Time = 0, batch: int | Time = 0, sample: int | Time = 0, token: int | Time = 0,
-                 batch_in_epoch: int | Time = 0, sample_in_epoch: int | Time = 0, token_in_epoch: int | Time = 0,
-                 total_wct: float = 0.0, epoch_wct: float = 0.0, batch_wct: float = 0.0) -> None:
+    def __init__(
+        self,
+        epoch: int | Time = 0,
+        batch: int | Time = 0,
+        sample: int | Time = 0,
+        token: int | Time = 0,
+        batch_in_epoch: int | Time = 0,
+        sample_in_epoch: int | Time = 0,
+        token_in_epoch: int | Time = 0,
+        total_wct: float = 0.0,
+        epoch_wct: float = 0.0,
+        batch_wct: float = 0.0,
+    ) -> None:
         values = locals()
         self.load_state_dict({name: values[name] for name in _FIELDS})
 
@@ -376,13 +391,16 @@ class Timestamp:
         """The elapsed time in ``unit`` (``ep``, ``ba``, ``sp``, ``tok`` or ``sec`` = ``total_wct``)."""
         unit = TimeUnit(unit)
         if unit == TimeUnit.DURATION:
-            raise ValueError("a Timestamp cannot give 'dur' on its own; resolve the Time against max_duration "
-                             "with resolve_fraction(time, max_duration) first")
+            raise ValueError(
+                "a Timestamp cannot give 'dur' on its own; resolve the Time against max_duration "
+                "with resolve_fraction(time, max_duration) first"
+            )
         return Time(getattr(self, _UNIT_FIELD[unit]), unit)
 
     # -- the hot path ---------------------------------------------------------------------------
-    def advance_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
-                      duration: float | datetime.timedelta | None = 0.0) -> None:
+    def advance_batch(
+        self, samples: int | Time = 0, tokens: int | Time = 0, duration: float | datetime.timedelta | None = 0.0
+    ) -> None:
         """Count one finished batch of ``samples`` samples and ``tokens`` tokens that took ``duration``.
 
         The arguments are those of Composer's ``Timestamp.to_next_batch``: counts may be ints or
@@ -414,8 +432,9 @@ class Timestamp:
         self._epoch_wct = 0.0
         self._batch_wct = 0.0
 
-    def to_next_batch(self, samples: int | Time = 0, tokens: int | Time = 0,
-                      duration: float | datetime.timedelta | None = None) -> Timestamp:
+    def to_next_batch(
+        self, samples: int | Time = 0, tokens: int | Time = 0, duration: float | datetime.timedelta | None = None
+    ) -> Timestamp:
         """A new Timestamp one batch on (Composer's immutable form of :meth:`advance_batch`)."""
         following = self.copy()
         following.advance_batch(samples, tokens, duration)

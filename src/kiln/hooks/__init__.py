@@ -12,6 +12,17 @@ from kiln.hooks.log_hooks import (
 from kiln.hooks.lr_hook import LRSchedulerHook
 from kiln.hooks.metric_hooks import AccuracyHook, LossHook, MetricHook, ThroughputHook
 
-__all__ = ["AccuracyHook", "BaseHook", "LRSchedulerHook", "LogMemoryByEpochHook", "LogMetricByEpochHook",
-           "LogMetricByStepHook", "LogTimingByEpochHook", "LossHook", "MetricHook", "SaveCheckpointHook",
-           "TensorboardHook", "ThroughputHook"]
+__all__ = [
+    "AccuracyHook",
+    "BaseHook",
+    "LRSchedulerHook",
+    "LogMemoryByEpochHook",
+    "LogMetricByEpochHook",
+    "LogMetricByStepHook",
+    "LogTimingByEpochHook",
+    "LossHook",
+    "MetricHook",
+    "SaveCheckpointHook",
+    "TensorboardHook",
+    "ThroughputHook",
+]

@@ -9,12 +9,21 @@ import torch
 
 from kiln.hooks.base import BaseHook
 
-__all__ = ["LogMetricByEpochHook", "LogMetricByStepHook", "LogMemoryByEpochHook", "LogTimingByEpochHook",
-           "TensorboardHook", "SaveCheckpointHook", "memory_summary"]
+__all__ = [
+    "LogMetricByEpochHook",
+    "LogMetricByStepHook",
+    "LogMemoryByEpochHook",
+    "LogTimingByEpochHook",
+    "TensorboardHook",
+    "SaveCheckpointHook",
+    "memory_summary",
+]
 
 
 def _format(metrics: dict[str, Any], accumulated: bool = True) -> str:
-    values = [(name, m.get_accumulated_value() if accumulated else m.get_last_step_value()) for name, m in metrics.items()]
+    values = [
+        (name, m.get_accumulated_value() if accumulated else m.get_last_step_value()) for name, m in metrics.items()
+    ]
     return ", ".join(f"{name} = {value:.5g}" for name, value in values)
 
 
@@ -53,19 +62,23 @@ class LogMetricByStepHook(BaseHook):
         super().__init__(priority)
 
     def after_train_iter(self, trainer: Any, output: Any, label: Any, loss: Any) -> None:
-        trainer.states["step_metrics"] = {name.lower(): m.get_last_step_value()
-                                          for name, m in trainer.states["metrics"].get("train", {}).items()}
+        trainer.states["step_metrics"] = {
+            name.lower(): m.get_last_step_value() for name, m in trainer.states["metrics"].get("train", {}).items()
+        }
 
     def after_test_iter(self, trainer: Any, output: Any, label: Any, loss: Any) -> None:
-        trainer.states["step_metrics"] = {name.lower(): m.get_last_step_value()
-                                          for name, m in trainer.states["metrics"].get("test", {}).items()}
+        trainer.states["step_metrics"] = {
+            name.lower(): m.get_last_step_value() for name, m in trainer.states["metrics"].get("test", {}).items()
+        }
 
 
 def memory_summary() -> str:
     """Allocated/peak CUDA memory, or the process's peak resident memory on CPU."""
     if torch.cuda.is_available():
-        return (f"allocated {torch.cuda.memory_allocated() / 2**20:.1f} MB, "
-                f"peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MB")
+        return (
+            f"allocated {torch.cuda.memory_allocated() / 2**20:.1f} MB, "
+            f"peak {torch.cuda.max_memory_allocated() / 2**20:.1f} MB"
+        )
     import resource
     import sys
 
@@ -93,8 +106,9 @@ class LogMemoryByEpochHook(BaseHook):
 class LogTimingByEpochHook(BaseHook):
     """Log the wall-clock time of training epochs and tests."""
 
-    def __init__(self, timer: Any = None, logger: Any = None, interval: int = 1, log_eval: bool = True,
-                 priority: int = 10) -> None:
+    def __init__(
+        self, timer: Any = None, logger: Any = None, interval: int = 1, log_eval: bool = True, priority: int = 10
+    ) -> None:
         super().__init__(priority)
         if logger is None:
             from kiln.launch.logging import get_dist_logger
@@ -118,8 +132,9 @@ class LogTimingByEpochHook(BaseHook):
 
     def after_test(self, trainer: Any) -> None:
         if self.log_eval:
-            self.logger.info(f"[Epoch {trainer.cur_epoch} / Test]: {time.perf_counter() - self._test_start:.3f} s",
-                             ranks=[0])
+            self.logger.info(
+                f"[Epoch {trainer.cur_epoch} / Test]: {time.perf_counter() - self._test_start:.3f} s", ranks=[0]
+            )
 
 
 class TensorboardHook(BaseHook):
@@ -165,8 +180,14 @@ class SaveCheckpointHook(BaseHook):
     """Save a kiln checkpoint into ``checkpoint_dir`` every ``interval`` epochs (or iterations with
     ``save_by_iter``), through the Trainer's checkpoint layer."""
 
-    def __init__(self, interval: int = 1, checkpoint_dir: str | None = None, model: Any = None,
-                 save_by_iter: bool = False, priority: int = 10) -> None:
+    def __init__(
+        self,
+        interval: int = 1,
+        checkpoint_dir: str | None = None,
+        model: Any = None,
+        save_by_iter: bool = False,
+        priority: int = 10,
+    ) -> None:
         super().__init__(priority)
         if checkpoint_dir is None:
             raise ValueError("SaveCheckpointHook needs checkpoint_dir= (the folder to save into)")

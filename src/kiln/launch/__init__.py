@@ -18,9 +18,24 @@ from kiln.launch.loader import ResumableLoader
 from kiln.launch.logging import DistributedLogger, get_dist_logger
 
 __all__ = [
-    "CollectiveTimeout", "Config", "Context", "DistributedLogger", "LaunchError", "ResumableLoader", "ResumableSampler", "context", "ensure_distributed_sampler",
-    "get_dataloader", "get_default_parser", "get_dist_logger", "launch", "launch_from_openmpi", "launch_from_slurm",
-    "launch_from_torch", "load_config", "seed_everything",
+    "CollectiveTimeout",
+    "Config",
+    "Context",
+    "DistributedLogger",
+    "LaunchError",
+    "ResumableLoader",
+    "ResumableSampler",
+    "context",
+    "ensure_distributed_sampler",
+    "get_dataloader",
+    "get_default_parser",
+    "get_dist_logger",
+    "launch",
+    "launch_from_openmpi",
+    "launch_from_slurm",
+    "launch_from_torch",
+    "load_config",
+    "seed_everything",
 ]
 
 

@@ -9,7 +9,6 @@ import random
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +43,9 @@ def _timeout(value: float | timedelta | None) -> timedelta:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        raise ValueError(f"timeout={value!r} is not a duration; pass seconds (e.g. timeout=600) or a "
-                         "datetime.timedelta")
+        raise ValueError(
+            f"timeout={value!r} is not a duration; pass seconds (e.g. timeout=600) or a datetime.timedelta"
+        )
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"timeout={value!r} must be a positive, finite duration; e.g. timeout=600 (seconds)")
     return timedelta(seconds=seconds)
@@ -90,7 +90,9 @@ def context() -> Context:
         if dist.is_available() and dist.is_initialized():
             # A group made by someone else (user code, a test): describe it rather than hide it.
             local = int(os.environ.get("LOCAL_RANK", 0))
-            _CURRENT = Context(dist.get_rank(), dist.get_world_size(), local, _device_for(local), Config(), dist.get_backend())
+            _CURRENT = Context(
+                dist.get_rank(), dist.get_world_size(), local, _device_for(local), Config(), dist.get_backend()
+            )
         else:
             _CURRENT = Context(device=_device_for(0))
     return _CURRENT
@@ -130,20 +132,26 @@ def resolve_device(device: str | torch.device | None, ctx: Context | None = None
         raise ValueError(f"device={device!r} is not a device; expected {_DEVICE_CHOICES}") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} asks for a GPU, but CUDA is not available on this machine "
-                             "(torch.cuda.is_available() is False); use device='cpu', or None for the best available")
+            raise ValueError(
+                f"device={device!r} asks for a GPU, but CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); use device='cpu', or None for the best available"
+            )
         count = torch.cuda.device_count()
         if resolved.index is None:  # this rank's GPU: the one the launch picked
             resolved = ctx.device if ctx.device.type == "cuda" else torch.device("cuda", ctx.local_rank % count)
         elif resolved.index >= count:
-            raise ValueError(f"device={device!r} names GPU {resolved.index}, but this machine has {count} "
-                             f"(cuda:0 to cuda:{count - 1}); use device='cuda' for this rank's GPU")
+            raise ValueError(
+                f"device={device!r} names GPU {resolved.index}, but this machine has {count} "
+                f"(cuda:0 to cuda:{count - 1}); use device='cuda' for this rank's GPU"
+            )
     elif resolved.type != "cpu":
         raise ValueError(f"device={device!r} is not supported; expected {_DEVICE_CHOICES}")
     if ctx.backend == "nccl" and resolved.type != "cuda":
-        raise ValueError(f"device={device!r} trains on the CPU, but the process group's backend is nccl, which moves "
-                         "only CUDA tensors; use device='cuda' (or None), or launch with backend='gloo' to train on "
-                         "the CPU")
+        raise ValueError(
+            f"device={device!r} trains on the CPU, but the process group's backend is nccl, which moves "
+            "only CUDA tensors; use device='cuda' (or None), or launch with backend='gloo' to train on "
+            "the CPU"
+        )
     return resolved
 
 
@@ -226,16 +234,30 @@ def launch(
     return ctx
 
 
-def launch_from_torch(config: Config | dict | str | Path | None = None, backend: str = "auto", seed: int | None = None,
-                      timeout: float | timedelta = DEFAULT_TIMEOUT) -> Context:
+def launch_from_torch(
+    config: Config | dict | str | Path | None = None,
+    backend: str = "auto",
+    seed: int | None = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+) -> Context:
     """Launch from torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 
     ``timeout``: seconds or a ``datetime.timedelta`` (see :func:`launch`)."""
     wait = _timeout(timeout)  # refused before anything connects
     rank, world, local = from_torchrun()
     host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    return launch(config, rank, world, host, port, backend, local, seed, timeout=wait,
-                  store=_elastic_store(host, port, world, wait))
+    return launch(
+        config,
+        rank,
+        world,
+        host,
+        port,
+        backend,
+        local,
+        seed,
+        timeout=wait,
+        store=_elastic_store(host, port, world, wait),
+    )
 
 
 def _elastic_store(host: str, port: str, world_size: int, timeout: timedelta) -> dist.Store | None:
@@ -252,8 +274,12 @@ def _elastic_store(host: str, port: str, world_size: int, timeout: timedelta) ->
 
 
 def launch_from_slurm(
-    config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
-    backend: str = "auto", seed: int | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
+    config: Config | dict | str | Path | None = None,
+    host: str | None = None,
+    port: int | str | None = None,
+    backend: str = "auto",
+    seed: int | None = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> Context:
     """Launch from SLURM's variables: SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS), SLURM_LOCALID.
 
@@ -265,8 +291,12 @@ def launch_from_slurm(
 
 
 def launch_from_openmpi(
-    config: Config | dict | str | Path | None = None, host: str | None = None, port: int | str | None = None,
-    backend: str = "auto", seed: int | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT,
+    config: Config | dict | str | Path | None = None,
+    host: str | None = None,
+    port: int | str | None = None,
+    backend: str = "auto",
+    seed: int | None = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> Context:
     """Launch from Open MPI's variables: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK.
 

@@ -5,16 +5,30 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler,
-                              get_worker_info)
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from kiln.launch.context import context
 
-__all__ = ["ResumableSampler", "WorkerSeeded", "ShardSampler", "get_dataloader", "ensure_distributed_sampler",
-           "with_resumable_sampler"]
+__all__ = [
+    "ResumableSampler",
+    "WorkerSeeded",
+    "ShardSampler",
+    "get_dataloader",
+    "ensure_distributed_sampler",
+    "with_resumable_sampler",
+]
 
 
 class ResumableSampler(DistributedSampler):
@@ -35,11 +49,25 @@ class ResumableSampler(DistributedSampler):
     seed is a function of ``seed``, the epoch, the rank and the sample's position in the epoch.
     """
 
-    def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, worker_seeds: bool = False) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        worker_seeds: bool = False,
+    ) -> None:
         ctx = context()
-        super().__init__(dataset, num_replicas=ctx.world_size if num_replicas is None else num_replicas,
-                         rank=ctx.rank if rank is None else rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(
+            dataset,
+            num_replicas=ctx.world_size if num_replicas is None else num_replicas,
+            rank=ctx.rank if rank is None else rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self._skip = 0  # this rank's samples already consumed in the epoch
         self._world_skip = 0  # or: every rank's, in the epoch's global order
         self.worker_seeds = worker_seeds
@@ -64,17 +92,18 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[Any]:
         if self._world_skip:
-            indices = iter(self._rest_of_world()[self.rank::self.num_replicas])
+            indices = iter(self._rest_of_world()[self.rank :: self.num_replicas])
         else:
             indices = super().__iter__()
             if self._skip:
-                indices = iter(list(indices)[self._skip:])
+                indices = iter(list(indices)[self._skip :])
         if not self.worker_seeds:
             return indices
         # Positions count from the epoch's start, skipped samples included, so a resumed epoch gives
         # each sample the seed it had (after a change of world size the positions are the new deal's).
-        return ((index, sample_seed(self.seed, self.epoch, self.rank, self._skip + n))
-                for n, index in enumerate(indices))
+        return (
+            (index, sample_seed(self.seed, self.epoch, self.rank, self._skip + n)) for n, index in enumerate(indices)
+        )
 
     def _rest_of_world(self) -> list[int]:
         # The epoch's global order is the one-rank order (the seed and the epoch fix it; the world
@@ -82,12 +111,12 @@ class ResumableSampler(DistributedSampler):
         # this world's ranks as DistributedSampler does.
         whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
         whole.set_epoch(self.epoch)
-        rest = list(whole)[self._world_skip:]
+        rest = list(whole)[self._world_skip :]
         extra = len(rest) % self.num_replicas
         if extra and self.drop_last:
-            rest = rest[:len(rest) - extra]
+            rest = rest[: len(rest) - extra]
         elif extra:
-            rest += (rest * self.num_replicas)[:self.num_replicas - extra]
+            rest += (rest * self.num_replicas)[: self.num_replicas - extra]
         return rest
 
     def __len__(self) -> int:
@@ -163,8 +192,16 @@ class WorkerSeeded(Dataset):
         return getattr(self.dataset, name)
 
 
-def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, add_sampler: bool = True,
-                   drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0, **kwargs: Any) -> DataLoader:
+def get_dataloader(
+    dataset: Dataset,
+    shuffle: bool = False,
+    seed: int = 1024,
+    add_sampler: bool = True,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+    num_workers: int = 0,
+    **kwargs: Any,
+) -> DataLoader:
     """A DataLoader with a distributed sampler when the world is larger than one (Colossal-AI's helper).
 
     Example::
@@ -174,17 +211,42 @@ def get_dataloader(dataset: Dataset, shuffle: bool = False, seed: int = 1024, ad
     keyed = num_workers > 0  # workers seeded per sample: a resume gives the same augmentation
     if add_sampler and context().world_size > 1:
         sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last, worker_seeds=keyed)
-        return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, drop_last=drop_last,
-                          pin_memory=pin_memory, num_workers=num_workers, **kwargs)
+        return DataLoader(
+            WorkerSeeded(dataset) if keyed else dataset,
+            sampler=sampler,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            **kwargs,
+        )
     if shuffle:
         sampler = ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, worker_seeds=keyed)
-        return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, drop_last=drop_last,
-                          pin_memory=pin_memory, num_workers=num_workers, **kwargs)
-    return DataLoader(dataset, shuffle=False, drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers, **kwargs)
+        return DataLoader(
+            WorkerSeeded(dataset) if keyed else dataset,
+            sampler=sampler,
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            **kwargs,
+        )
+    return DataLoader(
+        dataset, shuffle=False, drop_last=drop_last, pin_memory=pin_memory, num_workers=num_workers, **kwargs
+    )
 
 
-_LOADER_ARGS = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout",
-                "worker_init_fn", "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device")
+_LOADER_ARGS = (
+    "batch_size",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "persistent_workers",
+    "pin_memory_device",
+)
 
 
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
@@ -196,8 +258,9 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024, num_replicas: int | None = None,
-                               rank: int | None = None) -> DataLoader | None:
+def ensure_distributed_sampler(
+    loader: DataLoader | None, seed: int = 1024, num_replicas: int | None = None, rank: int | None = None
+) -> DataLoader | None:
     """Return ``loader``, rebuilt with a :class:`ResumableSampler` if the data is split over more
     than one rank and it has no distributed sampler, keeping its shuffling, batch size and worker
     settings. ``num_replicas``/``rank`` default to the world (a strategy with tensor or pipeline
@@ -207,7 +270,9 @@ def ensure_distributed_sampler(loader: DataLoader | None, seed: int = 1024, num_
     return with_resumable_sampler(loader, seed, num_replicas, rank)
 
 
-def with_resumable_sampler(loader: Any, seed: int = 1024, num_replicas: int | None = None, rank: int | None = None) -> Any:
+def with_resumable_sampler(
+    loader: Any, seed: int = 1024, num_replicas: int | None = None, rank: int | None = None
+) -> Any:
     """Return ``loader`` rebuilt with a :class:`ResumableSampler` (over ``num_replicas`` ranks,
     default the world) in place of a plain random or sequential sampler, so its order depends only
     on seed and epoch and a resumed run can start mid-epoch. With loader workers, the dataset is
@@ -223,8 +288,15 @@ def with_resumable_sampler(loader: Any, seed: int = 1024, num_replicas: int | No
     kwargs = _loader_kwargs(loader)
     keyed = loader.num_workers > 0
     dataset = loader.dataset.dataset if isinstance(loader.dataset, WorkerSeeded) else loader.dataset
-    sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                               drop_last=loader.drop_last, worker_seeds=keyed)
+    sampler = ResumableSampler(
+        dataset,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=loader.drop_last,
+        worker_seeds=keyed,
+    )
     return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, **kwargs)
 
 

@@ -7,7 +7,7 @@ missing or contradictory variable in a :class:`LaunchError`.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["LaunchError", "from_torchrun", "from_slurm", "from_openmpi"]
 
@@ -23,11 +23,12 @@ def _read_int(env: Mapping[str, str], names: tuple[str, ...], launcher: str) -> 
             try:
                 return int(raw)
             except ValueError:
-                raise LaunchError(f"environment variable {name}={raw!r} is not an integer (set by {launcher})") from None
+                raise LaunchError(
+                    f"environment variable {name}={raw!r} is not an integer (set by {launcher})"
+                ) from None
     shown = " or ".join(names)
     raise LaunchError(
-        f"environment variable {shown} is not set; expected it from {launcher}. "
-        f"Start the script with {_HOW[launcher]}"
+        f"environment variable {shown} is not set; expected it from {launcher}. Start the script with {_HOW[launcher]}"
     )
 
 
@@ -38,7 +39,9 @@ _HOW = {
 }
 
 
-def _check(rank: int, world_size: int, local_rank: int, names: tuple[str, str, str], launcher: str) -> tuple[int, int, int]:
+def _check(
+    rank: int, world_size: int, local_rank: int, names: tuple[str, str, str], launcher: str
+) -> tuple[int, int, int]:
     if world_size < 1:
         raise LaunchError(f"{names[1]}={world_size} must be at least 1 (from {launcher})")
     if not 0 <= rank < world_size:
@@ -55,7 +58,9 @@ def from_torchrun(env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     local = _read_int(env, ("LOCAL_RANK",), "torchrun")
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if name not in env:
-            raise LaunchError(f"environment variable {name} is not set; expected it from torchrun. Start the script with {_HOW['torchrun']}")
+            raise LaunchError(
+                f"environment variable {name} is not set; expected it from torchrun. Start the script with {_HOW['torchrun']}"
+            )
     return _check(rank, world, local, ("RANK", "WORLD_SIZE", "LOCAL_RANK"), "torchrun")
 
 

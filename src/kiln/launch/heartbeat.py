@@ -34,7 +34,8 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -79,8 +80,9 @@ class Heartbeat:
 
     def start(self) -> None:
         self._publish(self.store)  # the key exists from launch on: readers never wait for it
-        self._thread = threading.Thread(target=self._run, args=(self.store.clone(),), name="kiln-heartbeat",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(self.store.clone(),), name="kiln-heartbeat", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
@@ -204,6 +206,7 @@ def raise_if_timed_out(exc: BaseException) -> None:
 
 def _excepthook_over(previous: Callable[..., Any]) -> Callable[..., Any]:
     """A timeout that escapes user code (an Engine loop) still gets its one line, before the traceback."""
+
     def excepthook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         if _CURRENT is not None and is_timeout(value):
             try:

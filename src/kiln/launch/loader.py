@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from kiln.launch.rng import rng_state, set_rng_state
 
@@ -51,8 +52,9 @@ class ResumableLoader:
     """
 
     def __init__(self, loader: Iterable | None, subset_num_batches: int | None = None) -> None:
-        if subset_num_batches is not None and (isinstance(subset_num_batches, bool) or
-                                               not isinstance(subset_num_batches, int) or subset_num_batches < 1):
+        if subset_num_batches is not None and (
+            isinstance(subset_num_batches, bool) or not isinstance(subset_num_batches, int) or subset_num_batches < 1
+        ):
             raise ValueError(f"subset_num_batches={subset_num_batches!r} must be a positive int or None (all batches)")
         self.subset_num_batches = subset_num_batches
         self.epoch = 0
@@ -102,15 +104,19 @@ class ResumableLoader:
         num, subset = self._num_batches, self.subset_num_batches
         if num is None:
             if subset is None:
-                raise TypeError(f"the wrapped {type(self._loader).__name__} has no len() and there is no subset_num_batches")
+                raise TypeError(
+                    f"the wrapped {type(self._loader).__name__} has no len() and there is no subset_num_batches"
+                )
             return subset
         return num if subset is None else min(num, subset)
 
     # -- iterating ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         if self._loader is None:
-            raise TypeError("this ResumableLoader holds a loaded position but no loader: give it one (the Trainer: "
-                            "train_dataloader=) before iterating")
+            raise TypeError(
+                "this ResumableLoader holds a loaded position but no loader: give it one (the Trainer: "
+                "train_dataloader=) before iterating"
+            )
         sampler = getattr(self._loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
@@ -170,8 +176,13 @@ class ResumableLoader:
         rng = None
         if self.batch_in_epoch:
             rng = self._rng if self._rng is not None else rng_state()
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "sample_in_epoch": self.sample_in_epoch,
-                "sampler": sampler_state, "rng": rng}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "sample_in_epoch": self.sample_in_epoch,
+            "sampler": sampler_state,
+            "rng": rng,
+        }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s position with the next ``iter()``. ``sample_in_epoch``

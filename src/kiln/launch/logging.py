@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["DistributedLogger", "get_dist_logger"]
 
-_LOGGERS: dict[str, "DistributedLogger"] = {}
+_LOGGERS: dict[str, DistributedLogger] = {}
 
 
 class _StdoutHandler(logging.StreamHandler):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -22,8 +23,13 @@ def rng_state() -> dict[str, Any]:
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
     except ImportError:  # numpy is optional
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -40,11 +46,16 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         import numpy as np
 
         n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        np.random.set_state(
+            (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
     cuda = state.get("cuda")
     if cuda and torch.cuda.is_available():
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
         else:
-            warnings.warn(f"the checkpoint has CUDA RNG states for {len(cuda)} devices and this process sees "
-                          f"{torch.cuda.device_count()}; CUDA RNG states are not restored", stacklevel=3)
+            warnings.warn(
+                f"the checkpoint has CUDA RNG states for {len(cuda)} devices and this process sees "
+                f"{torch.cuda.device_count()}; CUDA RNG states are not restored",
+                stacklevel=3,
+            )

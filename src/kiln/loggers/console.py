@@ -30,14 +30,10 @@ class ConsoleLogger(LoggerDestination):
         trainer = kiln.Trainer(model, loggers=[ConsoleLogger(log_interval=10)], ...)
     """
 
-    def __init__(
-        self, log_interval: int = 1, stream: TextIO | None = None, *, rank_zero_only: bool = True
-    ) -> None:
+    def __init__(self, log_interval: int = 1, stream: TextIO | None = None, *, rank_zero_only: bool = True) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
         if not isinstance(log_interval, int) or log_interval < 1:
-            raise ValueError(
-                f"ConsoleLogger log_interval must be an int >= 1, got {log_interval!r}"
-            )
+            raise ValueError(f"ConsoleLogger log_interval must be an int >= 1, got {log_interval!r}")
         self.log_interval = log_interval
         self.stream = stream
 
@@ -45,11 +41,7 @@ class ConsoleLogger(LoggerDestination):
         print(line, file=self.stream if self.stream is not None else sys.stdout)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if (
-            step is not None
-            and step % self.log_interval != 0
-            and not any(key.startswith("eval/") for key in metrics)
-        ):
+        if step is not None and step % self.log_interval != 0 and not any(key.startswith("eval/") for key in metrics):
             return
         body = "  ".join(f"{key}: {_format(value)}" for key, value in metrics.items())
         self._write(body if step is None else f"[batch {step}] {body}")

@@ -46,9 +46,7 @@ class FileLogger(LoggerDestination):
     ) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
         if not isinstance(flush_interval, int) or flush_interval < 1:
-            raise ValueError(
-                f"FileLogger flush_interval must be an int >= 1, got {flush_interval!r}"
-            )
+            raise ValueError(f"FileLogger flush_interval must be an int >= 1, got {flush_interval!r}")
         self.path = Path(path)
         self.flush_interval = flush_interval
         self._file: IO[str] | None = None

@@ -59,9 +59,7 @@ class MLflowLogger(LoggerDestination):
             # Imported here: mlflow is optional and slow to import.
             import mlflow.tracking
         except ImportError as error:
-            raise ImportError(
-                "MLflowLogger needs the mlflow package: pip install mlflow-skinny (or mlflow)"
-            ) from error
+            raise ImportError("MLflowLogger needs the mlflow package: pip install mlflow-skinny (or mlflow)") from error
         self._mlflow = mlflow
         if tracking_uri is None:
             default = Path("mlruns").resolve().as_uri()

@@ -48,16 +48,12 @@ class TensorBoardLogger(LoggerDestination):
     ) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
         if not isinstance(flush_interval, int) or flush_interval < 1:
-            raise ValueError(
-                f"TensorBoardLogger flush_interval must be an int >= 1, got {flush_interval!r}"
-            )
+            raise ValueError(f"TensorBoardLogger flush_interval must be an int >= 1, got {flush_interval!r}")
         try:
             # Imported here so that `import kiln` stays fast and works without tensorboard.
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError(
-                "TensorBoardLogger needs the tensorboard package: pip install tensorboard"
-            ) from error
+            raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard") from error
         self._writer_class = SummaryWriter
         self.log_dir = Path(log_dir)
         self.flush_interval = flush_interval

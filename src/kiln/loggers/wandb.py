@@ -63,7 +63,11 @@ class WandBLogger(LoggerDestination):
         if mode is None and not os.environ.get("WANDB_MODE") and not _has_wandb_credentials():
             mode = "offline"
         self.init_kwargs: dict[str, Any] = {
-            "project": project, "entity": entity, "name": name, "mode": mode, **init_kwargs
+            "project": project,
+            "entity": entity,
+            "name": name,
+            "mode": mode,
+            **init_kwargs,
         }
         self._run: Any = None
 

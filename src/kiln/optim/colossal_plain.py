@@ -34,9 +34,7 @@ def _check_int(name: str, value: Any, minimum: int, expected: str) -> int:
 def _check_steps(total_steps: Any, warmup_steps: Any = 0) -> tuple[int, int]:
     """Validate the step counts every Colossal-AI scheduler takes; return them as ints."""
     total = _check_int("total_steps", total_steps, 1, "an integer >= 1 (the number of optimizer steps)")
-    warmup = _check_int(
-        "warmup_steps", warmup_steps, 0, f"an integer with 0 <= warmup_steps < total_steps={total}"
-    )
+    warmup = _check_int("warmup_steps", warmup_steps, 0, f"an integer with 0 <= warmup_steps < total_steps={total}")
     if warmup >= total:
         raise ValueError(
             f"warmup_steps must be an integer with 0 <= warmup_steps < total_steps={total}, "
@@ -80,6 +78,7 @@ class _ClosedForm:
     base_lrs: list[Any]
 
     if TYPE_CHECKING:  # from the torch scheduler class this is mixed into
+
         def state_dict(self) -> dict[str, Any]: ...
         def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 

@@ -36,9 +36,7 @@ __all__ = [
 def _flat_steps(pct_start: float, steps: int) -> int:
     """Steps held flat before annealing, Colossal-AI's ``int(steps * pct_start)``; >= 1 must remain."""
     if not 0.0 <= pct_start < 1.0 or steps - int(steps * pct_start) < 1:
-        raise ValueError(
-            f"pct_start must be in [0, 1) and leave at least one step to anneal over, got {pct_start!r}"
-        )
+        raise ValueError(f"pct_start must be in [0, 1) and leave at least one step to anneal over, got {pct_start!r}")
     return int(steps * pct_start)
 
 

@@ -49,17 +49,20 @@ class ComposerLRScheduler(LRScheduler):
         0.09
     """
 
-    def __init__(self, optimizer: Optimizer, schedule: Callable[..., float], state: Any, ssr: float = 1.0,
-                 last_epoch: int = -1) -> None:
+    def __init__(
+        self, optimizer: Optimizer, schedule: Callable[..., float], state: Any, ssr: float = 1.0, last_epoch: int = -1
+    ) -> None:
         if not callable(schedule):
             raise TypeError(f"schedule must be callable as schedule(state, ssr), got {schedule!r}")
         if ssr <= 0:
             raise ValueError(f"ssr (scale_schedule_ratio) must be > 0, got {ssr}")
         if not _takes_ssr(schedule):  # Composer's one-argument form f(state) -> float
             if ssr != 1.0:
-                raise ValueError(f"scheduler {schedule!r} takes only (state), so it cannot follow "
-                                 f"scale_schedule_ratio={ssr:g}; give it a second argument, f(state, ssr), and "
-                                 "stretch its times by ssr, or use a kiln.optim scheduler")
+                raise ValueError(
+                    f"scheduler {schedule!r} takes only (state), so it cannot follow "
+                    f"scale_schedule_ratio={ssr:g}; give it a second argument, f(state, ssr), and "
+                    "stretch its times by ssr, or use a kiln.optim scheduler"
+                )
             schedule = _StateOnly(schedule)
         # Set before super().__init__, which already calls get_lr() once.
         self._schedule = schedule
@@ -119,15 +122,19 @@ def scale_torch_scheduler(scheduler: LRScheduler, ssr: float) -> None:
         return
     name = type(scheduler).__name__
     if type(scheduler).__module__.startswith("kiln.optim.colossal"):
-        raise ValueError(f"scale_schedule_ratio={ssr:g} cannot scale {name}: a Colossal-AI scheduler counts steps up "
-                         "to its total_steps; build it with total_steps (and warmup_steps) already scaled, or use a "
-                         "kiln.optim time-aware scheduler")
+        raise ValueError(
+            f"scale_schedule_ratio={ssr:g} cannot scale {name}: a Colossal-AI scheduler counts steps up "
+            "to its total_steps; build it with total_steps (and warmup_steps) already scaled, or use a "
+            "kiln.optim time-aware scheduler"
+        )
 
     def scaled(value: int, attribute: str) -> int:
         result = int(value * ssr)
         if result < 1:
-            raise ValueError(f"scale_schedule_ratio={ssr:g} makes {name}.{attribute}={value} round down to {result}; "
-                             f"the schedule needs {attribute} >= 1 after scaling, so use a larger ratio or {attribute}")
+            raise ValueError(
+                f"scale_schedule_ratio={ssr:g} makes {name}.{attribute}={value} round down to {result}; "
+                f"the schedule needs {attribute} >= 1 after scaling, so use a larger ratio or {attribute}"
+            )
         return result
 
     if isinstance(scheduler, StepLR):
@@ -144,21 +151,28 @@ def scale_torch_scheduler(scheduler: LRScheduler, ssr: float) -> None:
         scheduler.gamma = scheduler.gamma ** (1.0 / ssr)
     elif isinstance(scheduler, ComposerLRScheduler):
         if scheduler.ssr not in (1.0, ssr):
-            raise ValueError(f"scale_schedule_ratio={ssr:g}, but this compiled scheduler was built with ssr="
-                             f"{scheduler.ssr:g}; pass the scheduler itself (not compiled) and let the Trainer "
-                             "scale it")
+            raise ValueError(
+                f"scale_schedule_ratio={ssr:g}, but this compiled scheduler was built with ssr="
+                f"{scheduler.ssr:g}; pass the scheduler itself (not compiled) and let the Trainer "
+                "scale it"
+            )
         if isinstance(scheduler._schedule, _StateOnly):
-            raise ValueError(f"scheduler {scheduler._schedule.schedule!r} takes only (state), so it cannot follow "
-                             f"scale_schedule_ratio={ssr:g}; give it a second argument, f(state, ssr)")
+            raise ValueError(
+                f"scheduler {scheduler._schedule.schedule!r} takes only (state), so it cannot follow "
+                f"scale_schedule_ratio={ssr:g}; give it a second argument, f(state, ssr)"
+            )
         scheduler.ssr = ssr
     else:
-        raise ValueError(f"scale_schedule_ratio={ssr:g} cannot scale {name}: only StepLR, MultiStepLR, ExponentialLR, "
-                         "CosineAnnealingLR and CosineAnnealingWarmRestarts can be scaled (as in Composer); write the "
-                         "schedule as a kiln.optim scheduler or a function f(state, ssr) -> float instead")
+        raise ValueError(
+            f"scale_schedule_ratio={ssr:g} cannot scale {name}: only StepLR, MultiStepLR, ExponentialLR, "
+            "CosineAnnealingLR and CosineAnnealingWarmRestarts can be scaled (as in Composer); write the "
+            "schedule as a kiln.optim scheduler or a function f(state, ssr) -> float instead"
+        )
 
 
-def compile_composer_scheduler(scheduler: Callable[..., float], state: Any, optimizer: Optimizer | None = None,
-                               ssr: float = 1.0) -> ComposerLRScheduler:
+def compile_composer_scheduler(
+    scheduler: Callable[..., float], state: Any, optimizer: Optimizer | None = None, ssr: float = 1.0
+) -> ComposerLRScheduler:
     """Wrap a time-aware ``scheduler`` around ``optimizer`` (default: the state's only optimizer).
 
     Example:
@@ -172,6 +186,8 @@ def compile_composer_scheduler(scheduler: Callable[..., float], state: Any, opti
         elif optimizers is not None and len(optimizers) == 1:
             optimizer = optimizers[0]
         else:
-            raise ValueError(f"compile_composer_scheduler needs one optimizer; state.optimizers is {optimizers!r}, "
-                             "so pass optimizer= explicitly")
+            raise ValueError(
+                f"compile_composer_scheduler needs one optimizer; state.optimizers is {optimizers!r}, "
+                "so pass optimizer= explicitly"
+            )
     return ComposerLRScheduler(optimizer, scheduler, state, ssr=ssr)

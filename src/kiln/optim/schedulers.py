@@ -176,7 +176,9 @@ class StepScheduler(ComposerScheduler):
     def __call__(self, state: Any, ssr: float = 1.0) -> float:
         step, unit = _convert(self.step_size, state, ssr)
         if step <= 0:
-            raise ValueError(f"StepScheduler step_size {self.step_size} resolves to {step} {unit.value}; it must be > 0")
+            raise ValueError(
+                f"StepScheduler step_size {self.step_size} resolves to {step} {unit.value}; it must be > 0"
+            )
         return self.gamma ** math.floor(_now(state, unit) / step)
 
 
@@ -335,7 +337,8 @@ class _WithWarmup(ComposerScheduler):
                 f"{type(self).__name__}: t_max={self.t_max} ends at {t_max:g}{unit.value}{ratio}, before "
                 f"max_duration ({max_duration.value:g}{unit.value}); the learning rate would hold its final value "
                 "for the rest of the run. Give t_max >= max_duration (e.g. '1dur'), or pass allow_short_t_max=True "
-                "to keep the short schedule")
+                "to keep the short schedule"
+            )
 
     def _progress(self, state: Any, ssr: float) -> tuple[bool, float]:
         """``(True, fraction of warmup done)`` in warmup, else ``(False, fraction of t_warmup..t_max done)``."""
@@ -361,8 +364,9 @@ class MultiStepWithWarmupScheduler(_WithWarmup):
         MultiStepWithWarmupScheduler(t_warmup=Time(1, TimeUnit.EPOCH), ..., milestones=[...], gamma=0.1)
     """
 
-    def __init__(self, t_warmup: TimeLike, milestones: Sequence[TimeLike], gamma: float = 0.1,
-                 scale_warmup: bool = False) -> None:
+    def __init__(
+        self, t_warmup: TimeLike, milestones: Sequence[TimeLike], gamma: float = 0.1, scale_warmup: bool = False
+    ) -> None:
         super().__init__(t_warmup, scale_warmup)
         self._step = MultiStepScheduler(milestones, gamma)
         self.milestones = self._step.milestones
@@ -382,8 +386,15 @@ class LinearWithWarmupScheduler(_WithWarmup):
         LinearWithWarmupScheduler(t_warmup=Time(100, TimeUnit.BATCH), ..., alpha_f=0.1, t_max=...)
     """
 
-    def __init__(self, t_warmup: TimeLike, alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: TimeLike = "1dur",
-                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+    def __init__(
+        self,
+        t_warmup: TimeLike,
+        alpha_i: float = 1.0,
+        alpha_f: float = 0.0,
+        t_max: TimeLike = "1dur",
+        scale_warmup: bool = False,
+        allow_short_t_max: bool = False,
+    ) -> None:
         super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.alpha_i = alpha_i
         self.alpha_f = alpha_f
@@ -404,10 +415,22 @@ class ConstantWithWarmupScheduler(LinearWithWarmupScheduler):
         0.5
     """
 
-    def __init__(self, t_warmup: TimeLike, alpha: float = 1.0, t_max: TimeLike = "1dur",
-                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
-        super().__init__(t_warmup, alpha_i=alpha, alpha_f=alpha, t_max=t_max, scale_warmup=scale_warmup,
-                         allow_short_t_max=allow_short_t_max)
+    def __init__(
+        self,
+        t_warmup: TimeLike,
+        alpha: float = 1.0,
+        t_max: TimeLike = "1dur",
+        scale_warmup: bool = False,
+        allow_short_t_max: bool = False,
+    ) -> None:
+        super().__init__(
+            t_warmup,
+            alpha_i=alpha,
+            alpha_f=alpha,
+            t_max=t_max,
+            scale_warmup=scale_warmup,
+            allow_short_t_max=allow_short_t_max,
+        )
         self.alpha = alpha
 
 
@@ -419,8 +442,14 @@ class CosineAnnealingWithWarmupScheduler(_WithWarmup):
         0.1
     """
 
-    def __init__(self, t_warmup: TimeLike, t_max: TimeLike = "1dur", alpha_f: float = 0.0,
-                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+    def __init__(
+        self,
+        t_warmup: TimeLike,
+        t_max: TimeLike = "1dur",
+        alpha_f: float = 0.0,
+        scale_warmup: bool = False,
+        allow_short_t_max: bool = False,
+    ) -> None:
         super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.t_max = _parse(t_max, "t_max")
         self.alpha_f = alpha_f
@@ -438,8 +467,15 @@ class PolynomialWithWarmupScheduler(_WithWarmup):
         1.0
     """
 
-    def __init__(self, t_warmup: TimeLike, power: float = 2.0, t_max: TimeLike = "1dur", alpha_f: float = 0.0,
-                 scale_warmup: bool = False, allow_short_t_max: bool = False) -> None:
+    def __init__(
+        self,
+        t_warmup: TimeLike,
+        power: float = 2.0,
+        t_max: TimeLike = "1dur",
+        alpha_f: float = 0.0,
+        scale_warmup: bool = False,
+        allow_short_t_max: bool = False,
+    ) -> None:
         super().__init__(t_warmup, scale_warmup, allow_short_t_max)
         self.power = power
         self.t_max = _parse(t_max, "t_max")

@@ -45,8 +45,9 @@ class Auto(Strategy):
         self.table: list[PlanRow] = []
         self.reason = "not planned yet: setup() plans"
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         self.table = plan_table(model, optimizer, ctx.world_size, self.memory_budget, self.example_input)
         row = next(r for r in self.table if r.chosen)
         self.chosen = get_strategy(row.strategy, ctx)
@@ -71,20 +72,26 @@ class Auto(Strategy):
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         self._strategy().set_grad_sync(model, enabled)
 
-    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
-             **kwargs: Any) -> torch.Tensor:
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._strategy().loss(model, criterion, *args, **kwargs)
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
-                 scaler: torch.amp.GradScaler | None) -> None:
+    def backward(
+        self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
         self._strategy().backward(model, loss, scale, scaler)
 
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        scaler: torch.amp.GradScaler | None,
+    ) -> torch.Tensor | None:
         return self._strategy().clip_gradients(model, optimizer, max_norm, scaler)
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> torch.Tensor | None:
         return self._strategy().optimizer_step(model, optimizer, scaler)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -67,8 +67,9 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, 
     return {k: v for part in parts for k, v in part.items()}
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                   full: bool = False) -> dict[str, Any]:
+def get_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, full: bool = False
+) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}``, ready for ``torch.distributed.checkpoint.save``."""
     state: dict[str, Any] = {"model": model_state_dict(model, full=full)}
     if optimizer is not None:
@@ -76,8 +77,14 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return state
 
 
-def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], *,
-                   full: bool = False, strict: bool = True) -> None:
+def set_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    *,
+    full: bool = False,
+    strict: bool = True,
+) -> None:
     """Load what :func:`get_state_dict` returned (after ``dcp.load`` filled it) into model and optimizer.
 
     Args:
@@ -91,7 +98,9 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, st
     if optimizer is None or "optimizer" not in state:
         return
     zero = _zero(optimizer)
-    set_optimizer_state_dict(model, zero.optim if zero else optimizer, state["optimizer"], options=_options(full, strict))
+    set_optimizer_state_dict(
+        model, zero.optim if zero else optimizer, state["optimizer"], options=_options(full, strict)
+    )
     if zero is not None:
         # ZeroRedundancyOptimizer copies its own groups' hyperparameters into the local optimizer
         # before each step; give them the loaded values so they are not overwritten.

@@ -46,9 +46,11 @@ _SECTIONS = {"fp32": None, "amp_bf16": None, "fp16": "fp16", "bf16": "bf16"}
 
 def _require_deepspeed() -> None:
     if importlib.util.find_spec("deepspeed") is None:
-        raise ImportError("strategy='deepspeed' needs the 'deepspeed' package, which is not installed: "
-                          "run `pip install deepspeed`, or use strategy='zero1', 'zero2' or 'zero3', which need "
-                          "only torch")
+        raise ImportError(
+            "strategy='deepspeed' needs the 'deepspeed' package, which is not installed: "
+            "run `pip install deepspeed`, or use strategy='zero1', 'zero2' or 'zero3', which need "
+            "only torch"
+        )
 
 
 def _enabled(section: Any) -> bool:
@@ -87,8 +89,10 @@ class DeepSpeed(Strategy):
                 with open(deepspeed_config) as f:
                     deepspeed_config = json.load(f)
             except (OSError, ValueError) as exc:
-                raise ValueError(f"deepspeed_config={str(deepspeed_config)!r} could not be read as JSON ({exc}); "
-                                 "expected the path of a DeepSpeed JSON config or a dict") from None
+                raise ValueError(
+                    f"deepspeed_config={str(deepspeed_config)!r} could not be read as JSON ({exc}); "
+                    "expected the path of a DeepSpeed JSON config or a dict"
+                ) from None
         if deepspeed_config is not None and not isinstance(deepspeed_config, Mapping):
             raise ValueError(f"deepspeed_config={deepspeed_config!r} must be a dict or the path of a JSON file")
         self.config: dict[str, Any] = {**dict(deepspeed_config or {}), **config}
@@ -99,15 +103,18 @@ class DeepSpeed(Strategy):
     def _fill(self, key: str, value: Any, kiln_name: str) -> None:
         given = self.config.setdefault(key, value)
         if given != value:
-            raise ValueError(f"deepspeed_config {key}={given!r} contradicts kiln's {kiln_name}={value!r}: kiln "
-                             f"fills {key!r} from {kiln_name}; drop it from deepspeed_config and set {kiln_name}="
-                             f"{given!r}")
+            raise ValueError(
+                f"deepspeed_config {key}={given!r} contradicts kiln's {kiln_name}={value!r}: kiln "
+                f"fills {key!r} from {kiln_name}; drop it from deepspeed_config and set {kiln_name}="
+                f"{given!r}"
+            )
 
     def configure(self, *, gradient_accumulation: int, clip_grad_norm: float | None) -> None:
         # The Trainer splits batches itself (grad_accum) and marks the last microbatch through
         # set_grad_sync, so its Engine reports 1 here: name both in the error.
-        self._fill("gradient_accumulation_steps", gradient_accumulation,
-                   "gradient_accumulation (the Trainer's grad_accum)")
+        self._fill(
+            "gradient_accumulation_steps", gradient_accumulation, "gradient_accumulation (the Trainer's grad_accum)"
+        )
         if clip_grad_norm is not None:
             self._fill("gradient_clipping", clip_grad_norm, "clip_grad_norm")
         else:  # kiln's default is no clipping; DeepSpeed's would be 1.0. An explicit value in the config stays.
@@ -118,20 +125,25 @@ class DeepSpeed(Strategy):
     def _fill_precision(self, precision: Precision) -> None:
         if precision.name not in _SECTIONS:
             fixes = "'fp16' (DeepSpeed's fp16 with its loss scaler)" if precision.name == "amp_fp16" else "a name"
-            raise ValueError(f"strategy='deepspeed' with precision={precision.name!r}: DeepSpeed casts and scales "
-                             f"itself; use precision={fixes} from {sorted(_SECTIONS)}")
+            raise ValueError(
+                f"strategy='deepspeed' with precision={precision.name!r}: DeepSpeed casts and scales "
+                f"itself; use precision={fixes} from {sorted(_SECTIONS)}"
+            )
         wanted = _SECTIONS[precision.name]
         for section in ("fp16", "bf16"):
             if _enabled(self.config.get(section)) and section != wanted:
-                raise ValueError(f"deepspeed_config enables {section!r} but kiln's precision={precision.name!r}: "
-                                 f"set precision={section!r} in kiln (it fills deepspeed_config), or disable the "
-                                 "section")
+                raise ValueError(
+                    f"deepspeed_config enables {section!r} but kiln's precision={precision.name!r}: "
+                    f"set precision={section!r} in kiln (it fills deepspeed_config), or disable the "
+                    "section"
+                )
         if wanted is not None:
             self.config[wanted] = {**dict(self.config.get(wanted) or {}), "enabled": True}
 
     # -- placing the model -------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         import deepspeed
 
         self._fill_precision(precision)
@@ -150,10 +162,12 @@ class DeepSpeed(Strategy):
         # deepspeed.initialize reuses the process group kiln's launcher created (any backend). A
         # world of 1 has none, and DeepSpeed cannot run without one: an in-process store makes it.
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1)
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config,
-                                                          dist_init_required=False)
+            dist.init_process_group(
+                "nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.config, dist_init_required=False
+        )
         engine.set_gradient_accumulation_boundary(True)  # until the Engine says a backward is not the last
         if not self._groups and ds_optimizer is not None:  # built by DeepSpeed from its "optimizer" section
             self._groups = ds_optimizer.param_groups
@@ -172,17 +186,24 @@ class DeepSpeed(Strategy):
     def make_scaler(self, precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
         return None
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
-                 scaler: torch.amp.GradScaler | None) -> None:
+    def backward(
+        self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
         engine: Any = model
         engine.backward(loss if scale is None else loss * scale, scale_wrt_gas=False)
 
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        scaler: torch.amp.GradScaler | None,
+    ) -> torch.Tensor | None:
         return None  # gradient_clipping in deepspeed_config: optimizer_step clips and returns the norm
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> torch.Tensor | None:
         engine: Any = model
         if not self.config.get("gradient_clipping"):
             engine.step()
@@ -198,8 +219,10 @@ class DeepSpeed(Strategy):
         return norm
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        raise ValueError("strategy='deepspeed' clips inside DeepSpeed's step: pass clip_grad_norm to kiln (it fills "
-                         "deepspeed_config's gradient_clipping) or set gradient_clipping there")
+        raise ValueError(
+            "strategy='deepspeed' clips inside DeepSpeed's step: pass clip_grad_norm to kiln (it fills "
+            "deepspeed_config's gradient_clipping) or set gradient_clipping there"
+        )
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return getattr(model, "module", model)
@@ -208,17 +231,21 @@ class DeepSpeed(Strategy):
         return {"name": self.name, "deepspeed_config": self.config}
 
     # -- checkpoints: full tensors keyed by parameter name -------------------------------------
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                   full: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool = False
+    ) -> dict[str, Any]:
         module = self.unwrap(model)
         if not _partitioned(module):  # ZeRO off and fp32: the user's optimizer steps the module itself
             return super().state_dict(module, optimizer, full=full)
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         params = dict(module.named_parameters())
-        state: dict[str, Any] = {"model": {
-            name: safe_get_full_fp32_param(params[name]) if name in params else value.detach()
-            for name, value in _named_state(module).items()}}
+        state: dict[str, Any] = {
+            "model": {
+                name: safe_get_full_fp32_param(params[name]) if name in params else value.detach()
+                for name, value in _named_state(module).items()
+            }
+        }
         if optimizer is None:
             return state
         base, sample, per_param = _optimizer_layout(optimizer)
@@ -238,8 +265,15 @@ class DeepSpeed(Strategy):
         state["optimizer"] = flat
         return state
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], *,
-                        full: bool = False, strict: bool = True) -> None:
+    def load_state_dict(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: dict[str, Any],
+        *,
+        full: bool = False,
+        strict: bool = True,
+    ) -> None:
         module = self.unwrap(model)
         if not _partitioned(module):
             super().load_state_dict(module, optimizer, state, full=full, strict=strict)

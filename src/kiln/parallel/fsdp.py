@@ -43,8 +43,15 @@ def mixed_precision_policy(precision: Precision):
     return None
 
 
-def apply_fsdp(model: nn.Module, mesh, precision: Precision, *, reshard_after_forward: bool = True,
-               wrap: Sequence[str] = (), cpu_offload: bool = False) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    precision: Precision,
+    *,
+    reshard_after_forward: bool = True,
+    wrap: Sequence[str] = (),
+    cpu_offload: bool = False,
+) -> nn.Module:
     """``fully_shard`` each named block (deepest first: a wrapped block must not own its children's
     parameters), then the root, which takes whatever parameters are left."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -54,7 +61,9 @@ def apply_fsdp(model: nn.Module, mesh, precision: Precision, *, reshard_after_fo
     if policy is not None:
         kwargs["mp_policy"] = policy
     # Pinned host memory needs CUDA; on a CPU-only machine the offload is a plain host copy.
-    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kwargs["offload_policy"] = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
     for name in sorted(wrap, key=lambda n: -n.count(".")):
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)
@@ -83,18 +92,27 @@ class FSDP(Strategy):
     steps = ("placement", "float8", "activation_checkpointing", "compile", "data_parallel")
     default_reshard = True
 
-    def __init__(self, *, reshard_after_forward: bool | None = None, wrap: WrapSpec = None,
-                 cpu_offload: bool = False) -> None:
-        self.reshard_after_forward = self.default_reshard if reshard_after_forward is None else bool(reshard_after_forward)
+    def __init__(
+        self, *, reshard_after_forward: bool | None = None, wrap: WrapSpec = None, cpu_offload: bool = False
+    ) -> None:
+        self.reshard_after_forward = (
+            self.default_reshard if reshard_after_forward is None else bool(reshard_after_forward)
+        )
         self.wrap = wrap
         self.cpu_offload = bool(cpu_offload)
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         blocks = find_blocks(model, self.wrap)  # user errors first, before any collective
-        plan = ParallelizePlan.on_mesh(ParallelDims(dp_shard=ctx.world_size), ctx=ctx, precision=precision,
-                                       options=self.parallelize_options, blocks=blocks, cpu_offload=self.cpu_offload,
-                                       reshard_after_forward=self.reshard_after_forward)
+        plan = ParallelizePlan.on_mesh(
+            ParallelDims(dp_shard=ctx.world_size),
+            ctx=ctx,
+            precision=precision,
+            options=self.parallelize_options,
+            blocks=blocks,
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
+        )
         # every rank reads its own batch (a world of 1 has no mesh: sharding would only add hooks)
         assert plan.dims is not None  # on_mesh sets it
         self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, plan.dims), plan.dims.dp
@@ -112,12 +130,17 @@ class FSDP(Strategy):
         return clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "reshard_after_forward": self.reshard_after_forward,
-                "wrap": [w if isinstance(w, str) else w.__name__ for w in _as_list(self.wrap)],
-                "cpu_offload": self.cpu_offload}
+        return {
+            "name": self.name,
+            "reshard_after_forward": self.reshard_after_forward,
+            "wrap": [w if isinstance(w, str) else w.__name__ for w in _as_list(self.wrap)],
+            "cpu_offload": self.cpu_offload,
+        }
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload})"
+        return (
+            f"{type(self).__name__}(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload})"
+        )
 
 
 class Zero2(FSDP):

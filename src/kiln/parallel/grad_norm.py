@@ -23,8 +23,9 @@ __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
 @torch.no_grad()
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The norm of all gradients of the model, across shards and pipeline stages, as a plain tensor."""
     from torch.distributed.tensor import DTensor
 
@@ -60,8 +61,12 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
 
     Example::

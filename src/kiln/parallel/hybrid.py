@@ -55,16 +55,31 @@ class Hybrid(PipelineSteps):
     name = "hybrid"
     steps = STEPS
 
-    def __init__(self, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, *,
-                 tp_plan: Mapping[str, Any] | None = None, split_points: Sequence[str] = (),
-                 schedule: str = "1f1b", microbatches: int | None = None, example_input: Any = None,
-                 wrap: WrapSpec = None, reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        tp_plan: Mapping[str, Any] | None = None,
+        split_points: Sequence[str] = (),
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        example_input: Any = None,
+        wrap: WrapSpec = None,
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+    ) -> None:
         self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
         if pp > 1 and not split_points:
             raise ValueError(f"Hybrid(pp={pp}) needs split_points=[module names where stages begin]")
         if str(schedule).lower() not in SCHEDULES:
             raise ValueError(f"Hybrid schedule={schedule!r} is not known; expected one of {', '.join(SCHEDULES)}")
-        self.tp_plan, self.split_points = tp_plan, [split_points] if isinstance(split_points, str) else list(split_points)
+        self.tp_plan, self.split_points = (
+            tp_plan,
+            [split_points] if isinstance(split_points, str) else list(split_points),
+        )
         self.schedule, self.microbatches, self.example_input = str(schedule).lower(), microbatches, example_input
         self.wrap, self.reshard_after_forward, self.cpu_offload = wrap, reshard_after_forward, cpu_offload
         self.pipeline: PipelineRuntime | None = None
@@ -80,15 +95,23 @@ class Hybrid(PipelineSteps):
             if error:
                 raise ValueError(error)
         blocks = find_blocks(model, self.wrap)
-        plan = ParallelizePlan.on_mesh(dims, ctx=ctx, precision=precision, options=self.parallelize_options,
-                                       blocks=blocks, tp_plan=tp_plan, reshard_after_forward=self.reshard_after_forward,
-                                       cpu_offload=self.cpu_offload)
+        plan = ParallelizePlan.on_mesh(
+            dims,
+            ctx=ctx,
+            precision=precision,
+            options=self.parallelize_options,
+            blocks=blocks,
+            tp_plan=tp_plan,
+            reshard_after_forward=self.reshard_after_forward,
+            cpu_offload=self.cpu_offload,
+        )
         self.resolved_dims = dims
         self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, dims), dims.dp
         return plan
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         plan = self.parallelize_plan(model, ctx, precision)
         if plan.dims is None or plan.dims.pp == 1:
             return parallelize(self, model, plan, optimizer=optimizer), optimizer
@@ -99,8 +122,15 @@ class Hybrid(PipelineSteps):
                 _restore_split_layers(stage, model, stage_plan)
 
         mesh = plan.mesh
-        return self.setup_pipeline(model, optimizer, plan, mesh["pp"].get_group(), mesh.get_local_rank("pp"),
-                                   plan.dims.pp, prepare_stage=prepare_stage), optimizer
+        return self.setup_pipeline(
+            model,
+            optimizer,
+            plan,
+            mesh["pp"].get_group(),
+            mesh.get_local_rank("pp"),
+            plan.dims.pp,
+            prepare_stage=prepare_stage,
+        ), optimizer
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # Under pp > 1 the pipeline schedule sets FSDP's sync for each of its own microbatches.
@@ -115,8 +145,15 @@ class Hybrid(PipelineSteps):
 
     def describe(self) -> dict[str, Any]:
         dims = getattr(self, "resolved_dims", self.dims)
-        return {"name": self.name, "pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                "tp": dims.tp, "split_points": self.split_points, "schedule": self.schedule}
+        return {
+            "name": self.name,
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "tp": dims.tp,
+            "split_points": self.split_points,
+            "schedule": self.schedule,
+        }
 
     def __repr__(self) -> str:
         d = self.dims

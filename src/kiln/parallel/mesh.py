@@ -53,15 +53,19 @@ class ParallelDims:
         others = self.pp * self.dp_replicate * self.tp
         if self.dp_shard == -1:
             if world_size % others:
-                raise ValueError(f"parallel sizes ({self._text()}) do not divide the world of {world_size} processes: "
-                                 f"pp*dp_replicate*tp = {others} must divide {world_size}; pick sizes whose product "
-                                 f"divides {world_size}, or launch a multiple of {others} processes")
+                raise ValueError(
+                    f"parallel sizes ({self._text()}) do not divide the world of {world_size} processes: "
+                    f"pp*dp_replicate*tp = {others} must divide {world_size}; pick sizes whose product "
+                    f"divides {world_size}, or launch a multiple of {others} processes"
+                )
             return ParallelDims(self.pp, self.dp_replicate, world_size // others, self.tp)
         product = others * self.dp_shard
         if product != world_size:
-            raise ValueError(f"parallel sizes ({self._text()}) multiply to {product} but the world has {world_size} "
-                             f"processes; make pp*dp_replicate*dp_shard*tp equal {world_size}, or set dp_shard=-1 "
-                             "to let it take the rest")
+            raise ValueError(
+                f"parallel sizes ({self._text()}) multiply to {product} but the world has {world_size} "
+                f"processes; make pp*dp_replicate*dp_shard*tp equal {world_size}, or set dp_shard=-1 "
+                "to let it take the rest"
+            )
         return self
 
     @property

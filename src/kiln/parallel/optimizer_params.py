@@ -21,8 +21,14 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def repoint_optimizer(optimizer: torch.optim.Optimizer | None, old_names: Mapping[int, str],
-                      new_params: Mapping[str, nn.Parameter], *, strategy: str, drop_missing: bool = False) -> None:
+def repoint_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    old_names: Mapping[int, str],
+    new_params: Mapping[str, nn.Parameter],
+    *,
+    strategy: str,
+    drop_missing: bool = False,
+) -> None:
     """Replace, in every param group, each old parameter by the new one of the same name.
 
     Args:
@@ -41,21 +47,27 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer | None, old_names: Mappin
             if optimizer.state.get(p) and name is not None and new_params.get(name, p) is not p:
                 # The state is full-size tensors keyed by the old parameter: sharding it here would be
                 # a second, hidden checkpoint format. Building the Engine first avoids the question.
-                raise ValueError(f"strategy={strategy!r} got an optimizer that already has state (it has "
-                                 "stepped); create the Engine/Trainer before the first optimizer step, or load "
-                                 "the optimizer state afterwards with kiln.parallel.dcp_state.set_state_dict")
+                raise ValueError(
+                    f"strategy={strategy!r} got an optimizer that already has state (it has "
+                    "stepped); create the Engine/Trainer before the first optimizer step, or load "
+                    "the optimizer state afterwards with kiln.parallel.dcp_state.set_state_dict"
+                )
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
             name = old_names.get(id(p))
             if name is None:
-                raise ValueError(f"strategy={strategy!r}: the optimizer holds a tensor of shape {tuple(p.shape)} "
-                                 "that is not a parameter of the model; build the optimizer from model.parameters()")
+                raise ValueError(
+                    f"strategy={strategy!r}: the optimizer holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the model; build the optimizer from model.parameters()"
+                )
             if name in new_params:
                 params.append(new_params[name])
             elif drop_missing:
                 optimizer.state.pop(p, None)  # another pipeline stage owns it now
             else:
-                raise ValueError(f"strategy={strategy!r}: parameter {name!r} disappeared from the model while "
-                                 "it was being parallelised")
+                raise ValueError(
+                    f"strategy={strategy!r}: parameter {name!r} disappeared from the model while "
+                    "it was being parallelised"
+                )
         group["params"] = params

@@ -66,9 +66,21 @@ if TYPE_CHECKING:
     from kiln.parallel.strategy import Strategy
     from kiln.precision import Precision
 
-__all__ = ["STEPS", "WHOLE_MODEL_STEPS", "STAGE_STEPS", "ParallelizeOptions", "ParallelizePlan", "parallelize",
-           "find_blocks", "apply_placement", "apply_float8", "apply_tensor_parallel",
-           "apply_activation_checkpointing", "apply_compile", "fully_shard_blocks"]
+__all__ = [
+    "STEPS",
+    "WHOLE_MODEL_STEPS",
+    "STAGE_STEPS",
+    "ParallelizeOptions",
+    "ParallelizePlan",
+    "parallelize",
+    "find_blocks",
+    "apply_placement",
+    "apply_float8",
+    "apply_tensor_parallel",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "fully_shard_blocks",
+]
 
 STEPS = ("placement", "float8", "tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
 # A pipeline runs these on the whole model, cuts it into stages, and runs the rest on each stage.
@@ -94,8 +106,11 @@ def _indexed_blocks(model: nn.Module) -> list[str]:
     # The repeated blocks of a model live in a ModuleList/Sequential, so their names end in an
     # index ("layers.3", "h.0", "blocks.2"); under a traced pipeline stage the class is gone but
     # the names remain. The shallowest such modules with parameters are the blocks.
-    found = [(name.count("."), name) for name, m in model.named_modules()
-             if name and name.rsplit(".", 1)[-1].isdigit() and any(True for _ in m.parameters())]
+    found = [
+        (name.count("."), name)
+        for name, m in model.named_modules()
+        if name and name.rsplit(".", 1)[-1].isdigit() and any(True for _ in m.parameters())
+    ]
     if not found:
         return []
     depth = min(d for d, _ in found)
@@ -119,14 +134,19 @@ def find_blocks(model: nn.Module, wrap: WrapSpec = None) -> list[str]:
         if isinstance(entry, type):
             hits = [n for n, m in model.named_modules() if n and isinstance(m, entry)]
         elif isinstance(entry, str):
-            hits = [n for n, m in model.named_modules()
-                    if n and (type(m).__name__ == entry or fnmatch.fnmatchcase(n, entry))]
+            hits = [
+                n
+                for n, m in model.named_modules()
+                if n and (type(m).__name__ == entry or fnmatch.fnmatchcase(n, entry))
+            ]
         else:
             raise ValueError(f"FSDP wrap entry {entry!r} must be a module class, a class name or a name pattern")
         if not hits:
             classes = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"FSDP wrap={entry!r} matches no module of the model; its module classes are "
-                             f"{', '.join(classes)}; name patterns look like 'layers.*'")
+            raise ValueError(
+                f"FSDP wrap={entry!r} matches no module of the model; its module classes are "
+                f"{', '.join(classes)}; name patterns look like 'layers.*'"
+            )
         names.extend(n for n in hits if n not in names)
     return names
 
@@ -170,8 +190,9 @@ class ParallelizeOptions:
                 raise ValueError(f"{name}={value!r} must be True, a dict of settings, or None")
         ac = self.activation_checkpointing
         if ac is not None and ac not in _AC_MODES and not callable(ac):
-            raise ValueError(f"activation_checkpointing={ac!r} must be 'full', 'selective', a callable choosing "
-                             "the blocks, or None")
+            raise ValueError(
+                f"activation_checkpointing={ac!r} must be 'full', 'selective', a callable choosing the blocks, or None"
+            )
 
 
 @dataclass(kw_only=True)
@@ -212,8 +233,14 @@ class ParallelizePlan:
 
 
 # -- the pipeline -----------------------------------------------------------------------------------
-def parallelize(strategy: Strategy, model: nn.Module, plan: ParallelizePlan, *,
-                optimizer: torch.optim.Optimizer | None = None, only: Collection[str] = STEPS) -> nn.Module:
+def parallelize(
+    strategy: Strategy,
+    model: nn.Module,
+    plan: ParallelizePlan,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    only: Collection[str] = STEPS,
+) -> nn.Module:
     """Run the steps ``strategy.steps`` declares (those in ``only``), in :data:`STEPS` order.
 
     Returns the model to train (a step may wrap it). With ``optimizer``, the parameters a step
@@ -221,13 +248,16 @@ def parallelize(strategy: Strategy, model: nn.Module, plan: ParallelizePlan, *,
     """
     unknown = [step for step in strategy.steps if step not in STEPS]
     if unknown:
-        raise ValueError(f"{type(strategy).__name__}.steps names {unknown}, which are not steps; the steps are "
-                         f"{', '.join(STEPS)}")
+        raise ValueError(
+            f"{type(strategy).__name__}.steps names {unknown}, which are not steps; the steps are {', '.join(STEPS)}"
+        )
     for option in SEAMS:  # refuse an option the strategy would silently ignore
         value = getattr(plan.options, option)
         if value is not None and option not in strategy.steps:
-            raise ValueError(f"{option}={value!r} is not applied under strategy={strategy.name!r}: its steps are "
-                             f"{', '.join(strategy.steps) or 'none'}; leave {option}=None with this strategy")
+            raise ValueError(
+                f"{option}={value!r} is not applied under strategy={strategy.name!r}: its steps are "
+                f"{', '.join(strategy.steps) or 'none'}; leave {option}=None with this strategy"
+            )
     before = dict(model.named_parameters(remove_duplicate=False)) if optimizer is not None else {}
     for step in STEPS:
         if step in strategy.steps and step in only:
@@ -252,8 +282,10 @@ def apply_placement(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
 
 
 def _not_available(option: str, value: Any) -> ValueError:
-    return ValueError(f"{option}={value!r} is not available yet: kiln has the {option} step of its parallelize "
-                      f"pipeline but does not fill it in this version; leave {option}=None")
+    return ValueError(
+        f"{option}={value!r} is not available yet: kiln has the {option} step of its parallelize "
+        f"pipeline but does not fill it in this version; leave {option}=None"
+    )
 
 
 def apply_float8(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
@@ -295,5 +327,11 @@ def fully_shard_blocks(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
         return model
     from kiln.parallel.fsdp import apply_fsdp
 
-    return apply_fsdp(model, plan.dp_mesh, plan.precision, reshard_after_forward=plan.reshard_after_forward,
-                      wrap=[n for n in plan.blocks if _has_module(model, n)], cpu_offload=plan.cpu_offload)
+    return apply_fsdp(
+        model,
+        plan.dp_mesh,
+        plan.precision,
+        reshard_after_forward=plan.reshard_after_forward,
+        wrap=[n for n in plan.blocks if _has_module(model, n)],
+        cpu_offload=plan.cpu_offload,
+    )

@@ -46,8 +46,14 @@ if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["Pipeline", "PipelineOutput", "PipelineRuntime", "PipelineSteps", "validate_split_points",
-           "full_pipeline_state_dict"]
+__all__ = [
+    "Pipeline",
+    "PipelineOutput",
+    "PipelineRuntime",
+    "PipelineSteps",
+    "validate_split_points",
+    "full_pipeline_state_dict",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
@@ -64,9 +70,13 @@ def validate_split_points(model: nn.Module, split_points: Sequence[str]) -> None
     for point in split_points:
         if not isinstance(point, str) or point not in names:
             close = difflib.get_close_matches(str(point), names, n=3)
-            hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"its modules start {', '.join(names[:8])}"
-            raise ValueError(f"Pipeline split point {point!r} is not a module of {type(model).__name__}; a split point "
-                             f"names the module where a new stage begins ({hint})")
+            hint = (
+                f"did you mean {', '.join(map(repr, close))}?" if close else f"its modules start {', '.join(names[:8])}"
+            )
+            raise ValueError(
+                f"Pipeline split point {point!r} is not a module of {type(model).__name__}; a split point "
+                f"names the module where a new stage begins ({hint})"
+            )
     if len(set(split_points)) != len(split_points):
         raise ValueError(f"Pipeline split_points={list(split_points)!r} names a module twice; list each boundary once")
 
@@ -75,12 +85,16 @@ def stage_count_error(num_stages: int, pp: int, schedule: str) -> str | None:
     """Why ``num_stages`` stages cannot run on ``pp`` ranks under ``schedule`` (None when they can)."""
     if schedule == "interleaved1f1b":
         if num_stages % pp or num_stages // pp < 2:
-            return (f"Pipeline(schedule='interleaved1f1b') needs at least 2 stages per rank and a multiple of the "
-                    f"{pp} pipeline ranks, but {num_stages - 1} split points make {num_stages} stages; give "
-                    f"{2 * pp - 1} split points (or {3 * pp - 1}, ...)")
+            return (
+                f"Pipeline(schedule='interleaved1f1b') needs at least 2 stages per rank and a multiple of the "
+                f"{pp} pipeline ranks, but {num_stages - 1} split points make {num_stages} stages; give "
+                f"{2 * pp - 1} split points (or {3 * pp - 1}, ...)"
+            )
     elif num_stages != pp:
-        return (f"Pipeline(schedule={schedule!r}) runs one stage per rank, but {num_stages - 1} split points make "
-                f"{num_stages} stages for {pp} pipeline ranks; give {pp - 1} split points or launch {num_stages} processes")
+        return (
+            f"Pipeline(schedule={schedule!r}) runs one stage per rank, but {num_stages - 1} split points make "
+            f"{num_stages} stages for {pp} pipeline ranks; give {pp - 1} split points or launch {num_stages} processes"
+        )
     return None
 
 
@@ -165,10 +179,20 @@ class PipelineRuntime:
             :mod:`kiln.parallel.parallelize`).
     """
 
-    def __init__(self, model: nn.Module, split_points: Sequence[str], schedule: str, microbatches: int,
-                 group: dist.ProcessGroup, pp_rank: int, pp_size: int, device: torch.device, precision: Precision,
-                 optimizer: torch.optim.Optimizer | None,
-                 transform: Callable[[nn.Module], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        split_points: Sequence[str],
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        pp_rank: int,
+        pp_size: int,
+        device: torch.device,
+        precision: Precision,
+        optimizer: torch.optim.Optimizer | None,
+        transform: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         self.model, self.split_points, self.schedule_name = model, list(split_points), schedule
         self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
         self.device, self.precision, self.optimizer, self.transform = device, precision, optimizer, transform
@@ -192,12 +216,18 @@ class PipelineRuntime:
         from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
         mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
-        pipe = pipeline(self.model, mb_args=mb_args[0], mb_kwargs=mb_kwargs[0],
-                        split_spec={point: SplitPoint.BEGINNING for point in self.split_points})
+        pipe = pipeline(
+            self.model,
+            mb_args=mb_args[0],
+            mb_kwargs=mb_kwargs[0],
+            split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
+        )
         if pipe.num_stages != self.num_stages:
-            raise ValueError(f"Pipeline split_points={self.split_points!r} gave {pipe.num_stages} stages instead of "
-                             f"{self.num_stages}: each split point must be a module the forward calls, listed in "
-                             "the order the forward calls them")
+            raise ValueError(
+                f"Pipeline split_points={self.split_points!r} gave {pipe.num_stages} stages instead of "
+                f"{self.num_stages}: each split point must be a module the forward calls, listed in "
+                "the order the forward calls them"
+            )
         stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
         del pipe  # lets the other ranks' stage modules go
         for stage in stages:
@@ -205,8 +235,9 @@ class PipelineRuntime:
                 self.transform(stage.submod)
         self.view.show_stages([stage.submod for stage in stages])
         self.view.train(self.view.training)
-        repoint_optimizer(self.optimizer, self._names, dict(self.view.named_parameters()),
-                          strategy="pp", drop_missing=True)
+        repoint_optimizer(
+            self.optimizer, self._names, dict(self.view.named_parameters()), strategy="pp", drop_missing=True
+        )
         cls = _schedule_class(self.schedule_name)
         target = stages if self.schedule_name == "interleaved1f1b" else stages[0]
         # scale_grads=False: torch would divide the whole .grad by the microbatch count after each
@@ -227,11 +258,24 @@ class PipelineRuntime:
         with self.precision.autocast(self.device):
             if eval_only:
                 return schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
-            return schedule.step(*step_args, target=target if self.has_last else None,
-                                 losses=[] if self.has_last else None, return_outputs=False, **step_kwargs)
+            return schedule.step(
+                *step_args,
+                target=target if self.has_last else None,
+                losses=[] if self.has_last else None,
+                return_outputs=False,
+                **step_kwargs,
+            )
 
-    def train_step(self, args: tuple, kwargs: dict, target: Any, loss_fn: Callable[..., torch.Tensor], *,
-                   scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> torch.Tensor:
+    def train_step(
+        self,
+        args: tuple,
+        kwargs: dict,
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        scale: float = 1.0,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the mean microbatch loss on every rank.
 
         ``loss_fn(output_mb, target_mb)`` runs on the last stage; the gradient is that of
@@ -273,8 +317,10 @@ class PipelineRuntime:
     # -- the Engine's hooks (see the module docstring) ------------------------------------------
     def defer_loss(self, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         if len(args) != 2 or kwargs or not isinstance(args[0], PipelineOutput):
-            raise TypeError("under Pipeline, call engine.criterion(engine(x), target): the schedule computes "
-                            "criterion(output, target) microbatch by microbatch on the last stage")
+            raise TypeError(
+                "under Pipeline, call engine.criterion(engine(x), target): the schedule computes "
+                "criterion(output, target) microbatch by microbatch on the last stage"
+            )
         loss = torch.zeros((), device=self.device)
         self._pending = (loss, args[0], args[1], criterion)
         return loss
@@ -282,8 +328,10 @@ class PipelineRuntime:
     def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> None:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not loss:
-            raise RuntimeError("under Pipeline, engine.backward takes the tensor engine.criterion returned, "
-                               "unchanged: the schedule computes the loss and its backward together")
+            raise RuntimeError(
+                "under Pipeline, engine.backward takes the tensor engine.criterion returned, "
+                "unchanged: the schedule computes the loss and its backward together"
+            )
         _, output, target, criterion = pending
         loss.copy_(self.train_step(output.args, output.kwargs, target, criterion, scale=scale, scaler=scaler))
 
@@ -310,9 +358,17 @@ class PipelineSteps(Strategy):
     def fixed_batch_rows(self) -> bool:
         return self.pipeline is not None
 
-    def setup_pipeline(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: ParallelizePlan,
-                       group: dist.ProcessGroup, pp_rank: int, pp_size: int, *,
-                       prepare_stage: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    def setup_pipeline(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        plan: ParallelizePlan,
+        group: dist.ProcessGroup,
+        pp_rank: int,
+        pp_size: int,
+        *,
+        prepare_stage: Callable[[nn.Module], None] | None = None,
+    ) -> nn.Module:
         """The whole-model steps, then the cut into stages (on the first batch, or now from
         ``example_input``), then the per-stage steps on each of this rank's stages (see
         :mod:`kiln.parallel.parallelize`). Returns the module to train with."""
@@ -323,27 +379,39 @@ class PipelineSteps(Strategy):
                 prepare_stage(stage)
             # the runtime keeps the stage object: the per-stage steps must work in place
             if parallelize(self, stage, plan, only=STAGE_STEPS) is not stage:
-                raise TypeError(f"strategy={self.name!r}: a step replaced a pipeline stage instead of changing it "
-                                "in place, which the pipeline cannot run")
+                raise TypeError(
+                    f"strategy={self.name!r}: a step replaced a pipeline stage instead of changing it "
+                    "in place, which the pipeline cannot run"
+                )
 
-        self.pipeline = PipelineRuntime(model, self.split_points, self.schedule,
-                                        self.microbatches or len(self.split_points) + 1, group, pp_rank, pp_size,
-                                        plan.ctx.device, plan.precision, optimizer, transform=transform)
+        self.pipeline = PipelineRuntime(
+            model,
+            self.split_points,
+            self.schedule,
+            self.microbatches or len(self.split_points) + 1,
+            group,
+            pp_rank,
+            pp_size,
+            plan.ctx.device,
+            plan.precision,
+            optimizer,
+            transform=transform,
+        )
         if self.example_input is not None:
             example = self.example_input
             self.pipeline.build(tuple(example) if isinstance(example, (tuple, list)) else (example,), {})
         return self.pipeline.view
 
-    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
-             **kwargs: Any) -> torch.Tensor:
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.pipeline is not None and model.training and torch.is_grad_enabled():
             # the loss is computed on the last stage inside backward(); an eval forward returned
             # the real outputs, so its loss is computed like any other
             return self.pipeline.defer_loss(criterion, *args, **kwargs)
         return criterion(*args, **kwargs)
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
-                 scaler: torch.amp.GradScaler | None) -> None:
+    def backward(
+        self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
         if self.pipeline is None:
             super().backward(model, loss, scale, scaler)
         else:  # the schedule applies the same scales per microbatch
@@ -369,8 +437,13 @@ class Pipeline(PipelineSteps):
     name = "pp"
     steps = ("placement", "float8", "activation_checkpointing", "compile")
 
-    def __init__(self, split_points: Sequence[str] = (), schedule: str = "1f1b", microbatches: int | None = None,
-                 example_input: Any = None) -> None:
+    def __init__(
+        self,
+        split_points: Sequence[str] = (),
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        example_input: Any = None,
+    ) -> None:
         if isinstance(split_points, str):
             split_points = [split_points]
         if not split_points:
@@ -385,8 +458,9 @@ class Pipeline(PipelineSteps):
         self.pipeline: PipelineRuntime | None = None
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         validate_split_points(model, self.split_points)  # user errors first, before any collective
         error = stage_count_error(len(self.split_points) + 1, ctx.world_size, self.schedule)
         if error:
@@ -400,8 +474,12 @@ class Pipeline(PipelineSteps):
         return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "split_points": self.split_points, "schedule": self.schedule,
-                "microbatches": self.microbatches}
+        return {
+            "name": self.name,
+            "split_points": self.split_points,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+        }
 
     def __repr__(self) -> str:
         return f"Pipeline({self.split_points!r}, schedule={self.schedule!r}, microbatches={self.microbatches})"

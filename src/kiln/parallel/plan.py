@@ -29,12 +29,34 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PlanRow", "plan_table", "choose", "optimizer_state_factor", "activation_bytes", "memory_budget",
-           "format_table"]
+__all__ = [
+    "PlanRow",
+    "plan_table",
+    "choose",
+    "optimizer_state_factor",
+    "activation_bytes",
+    "memory_budget",
+    "format_table",
+]
 
 # Optimizer state tensors per parameter, by class name (Adam-family: two moments).
-_STATE_FACTORS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Lamb": 2, "LAMB": 2,
-                  "Adagrad": 1, "RMSprop": 1, "Rprop": 2, "ASGD": 1, "SparseAdam": 2, "Adafactor": 1, "LBFGS": 2}
+_STATE_FACTORS = {
+    "Adam": 2,
+    "AdamW": 2,
+    "Adamax": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adadelta": 2,
+    "Lamb": 2,
+    "LAMB": 2,
+    "Adagrad": 1,
+    "RMSprop": 1,
+    "Rprop": 2,
+    "ASGD": 1,
+    "SparseAdam": 2,
+    "Adafactor": 1,
+    "LBFGS": 2,
+}
 BUDGET_ENV = "KILN_MEMORY_BUDGET_BYTES"
 
 
@@ -89,8 +111,9 @@ def activation_bytes(model: nn.Module, example_input: Any) -> int:
     return total
 
 
-def memory_budget(budget: int | float | None = None, device: torch.device | None = None,
-                  local_world_size: int = 1) -> int | None:
+def memory_budget(
+    budget: int | float | None = None, device: torch.device | None = None, local_world_size: int = 1
+) -> int | None:
     """The bytes one rank may use: ``budget``, else ``$KILN_MEMORY_BUDGET_BYTES``, else the free
     memory of the CUDA device (or the host's available memory shared by the local ranks)."""
     if budget is not None:
@@ -129,8 +152,13 @@ def _tp_split_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n in names for p in model.get_submodule(n).parameters())
 
 
-def plan_table(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, world_size: int = 1,
-               budget: int | float | None = None, example_input: Any = None) -> list[PlanRow]:
+def plan_table(
+    model: nn.Module,
+    optimizer_cls: Any = torch.optim.AdamW,
+    world_size: int = 1,
+    budget: int | float | None = None,
+    example_input: Any = None,
+) -> list[PlanRow]:
     """Every candidate strategy with its memory per rank; the chosen one has ``chosen=True`` and its
     ``note`` says why.
 
@@ -155,26 +183,44 @@ def plan_table(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, world_s
     w = max(int(world_size), 1)
     rows: list[PlanRow] = []
     if w == 1:
-        rows.append(PlanRow("single", p_bytes, g_bytes, o_bytes, act, p_bytes + g_bytes + o_bytes + act,
-                            note="one rank"))
+        rows.append(
+            PlanRow("single", p_bytes, g_bytes, o_bytes, act, p_bytes + g_bytes + o_bytes + act, note="one rank")
+        )
     else:
         block = _largest_block(model)
         shard = lambda n: math.ceil(n / w)  # noqa: E731
         candidates = [
             ("ddp", p_bytes, 2 * g_bytes, o_bytes, "replicated; gradients all-reduced (buckets double them)"),
             ("zero1", p_bytes, 2 * g_bytes, shard(o_bytes), "optimizer state sharded"),
-            ("zero2", shard(p_bytes) + p_bytes, shard(g_bytes), shard(o_bytes),
-             "state and gradients sharded; parameters gathered from forward to backward"),
-            ("zero3", shard(p_bytes) + 2 * block, shard(g_bytes) + block, shard(o_bytes),
-             "everything sharded; one block gathered at a time"),
+            (
+                "zero2",
+                shard(p_bytes) + p_bytes,
+                shard(g_bytes),
+                shard(o_bytes),
+                "state and gradients sharded; parameters gathered from forward to backward",
+            ),
+            (
+                "zero3",
+                shard(p_bytes) + 2 * block,
+                shard(g_bytes) + block,
+                shard(o_bytes),
+                "everything sharded; one block gathered at a time",
+            ),
         ]
         split = _tp_split_bytes(model)
         if split:
             # only the planned layers are split; the rest stays whole on every rank
             p_tp = p_bytes - split + math.ceil(split / w)
-            candidates.append(("tp", p_tp, p_tp, factor * p_tp,
-                               "the model's tp_plan; every layer communicates and every rank reads the same "
-                               "batch, so auto never picks it: ask for strategy='tp' or Hybrid(tp=...)"))
+            candidates.append(
+                (
+                    "tp",
+                    p_tp,
+                    p_tp,
+                    factor * p_tp,
+                    "the model's tp_plan; every layer communicates and every rank reads the same "
+                    "batch, so auto never picks it: ask for strategy='tp' or Hybrid(tp=...)",
+                )
+            )
         for name, p, g, o, note in candidates:
             rows.append(PlanRow(name, p, g, o, act, p + g + o + act, note=note, eligible=name != "tp"))
     limit = memory_budget(budget)
@@ -192,8 +238,11 @@ def choose(rows: list[PlanRow], limit: int | None = None) -> PlanRow:
     if fitting:
         pick = fitting[0]
         skipped = [r.strategy for r in candidates[: candidates.index(pick)]]
-        why = f"fits {budget}" + (f"; {', '.join(skipped)} would not" if skipped else "") + (
-            "; least communication of those that fit" if len(rows) > 1 else "")
+        why = (
+            f"fits {budget}"
+            + (f"; {', '.join(skipped)} would not" if skipped else "")
+            + ("; least communication of those that fit" if len(rows) > 1 else "")
+        )
     else:
         pick = min(candidates, key=lambda r: r.total)
         why = f"nothing fits {budget}; the smallest estimate (add ranks, shrink the microbatch or use bf16)"
@@ -213,8 +262,21 @@ def _fmt(n: int | float) -> str:
 def format_table(rows: list[PlanRow]) -> str:
     """The rows as the text table ``kiln plan`` prints."""
     head = ("  strategy", "params", "grads", "optimizer", "activations", "total/rank", "fits", "why")
-    body = [(("* " if r.chosen else "  ") + r.strategy, _fmt(r.params), _fmt(r.grads), _fmt(r.optimizer),
-             _fmt(r.activations), _fmt(r.total), "yes" if r.fits else "no", r.note) for r in rows]
+    body = [
+        (
+            ("* " if r.chosen else "  ") + r.strategy,
+            _fmt(r.params),
+            _fmt(r.grads),
+            _fmt(r.optimizer),
+            _fmt(r.activations),
+            _fmt(r.total),
+            "yes" if r.fits else "no",
+            r.note,
+        )
+        for r in rows
+    ]
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head) - 1)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in [head, *body]]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in [head, *body]
+    ]
     return "\n".join(lines)

@@ -99,8 +99,9 @@ class Strategy:
         """Told before ``setup`` how the Engine accumulates and clips; a strategy that does either
         itself (DeepSpeed) reads them here."""
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Place ``model`` (and its optimizer) on ``ctx``; returns the objects to train with.
 
         The model goes through the declared ``steps``; the optimizer follows any parameter a step
@@ -112,8 +113,9 @@ class Strategy:
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         """What ``setup`` applies. Strategies with options check them here, before any collective,
         then build their mesh (:meth:`ParallelizePlan.on_mesh`)."""
-        return ParallelizePlan(ctx=ctx, precision=precision, options=self.parallelize_options,
-                               blocks=find_blocks(model))
+        return ParallelizePlan(
+            ctx=ctx, precision=precision, options=self.parallelize_options, blocks=find_blocks(model)
+        )
 
     def apply_placement(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
         return _steps.apply_placement(model, plan)
@@ -145,13 +147,13 @@ class Strategy:
         context manager, since the Engine's forward and backward are separate calls of user code.
         """
 
-    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any,
-             **kwargs: Any) -> torch.Tensor:
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         """``criterion(*args, **kwargs)`` on the outputs of ``model`` (called under the forward's autocast)."""
         return criterion(*args, **kwargs)
 
-    def backward(self, model: nn.Module, loss: torch.Tensor, scale: float | None,
-                 scaler: torch.amp.GradScaler | None) -> None:
+    def backward(
+        self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
         """Backward of ``loss * scale`` (``scale`` None: 1), scaled by ``scaler`` when given (fp16).
 
         ``scale`` is the Engine's 1/accumulation, or the weight of an unequal microbatch.
@@ -162,8 +164,13 @@ class Strategy:
             loss = scaler.scale(loss)
         loss.backward()
 
-    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, max_norm: float,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def clip_gradients(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        max_norm: float,
+        scaler: torch.amp.GradScaler | None,
+    ) -> torch.Tensor | None:
         """Unscale (fp16) and clip to a global norm of ``max_norm``; returns the norm before clipping
         (None: the strategy clips inside :meth:`optimizer_step`)."""
         if scaler is not None:
@@ -175,8 +182,9 @@ class Strategy:
         """Clip gradients to a global norm of ``max_norm``; returns the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type, foreach=True)
 
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                       scaler: torch.amp.GradScaler | None) -> torch.Tensor | None:
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> torch.Tensor | None:
         """Step ``optimizer`` (through ``scaler``, which skips an update with inf/nan gradients and
         lowers its scale then). Returns the gradient norm when the step itself clipped (DeepSpeed),
         else None: :meth:`clip_gradients` ran before it."""
@@ -191,16 +199,24 @@ class Strategy:
         """The user's module without wrappers."""
         return model
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                   full: bool = False) -> dict[str, Any]:
+    def state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool = False
+    ) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` keyed by parameter name, for DCP (see
         :mod:`kiln.parallel.dcp_state`); shards stay shards unless ``full``."""
         from kiln.parallel.dcp_state import get_state_dict
 
         return get_state_dict(model, optimizer, full=full)
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], *,
-                        full: bool = False, strict: bool = True) -> None:
+    def load_state_dict(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        state: dict[str, Any],
+        *,
+        full: bool = False,
+        strict: bool = True,
+    ) -> None:
         """Load what :meth:`state_dict` returned, after ``dcp.load`` filled it."""
         from kiln.parallel.dcp_state import set_state_dict
 

@@ -53,9 +53,13 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
     """Names of the modules ``pattern`` selects, matched dot-separated part by part as
     ``parallelize_module`` does (``"layers.*.mlp.fc1"``; a ``*`` never spans a dot)."""
     parts = pattern.split(".")
-    return [name for name, _ in model.named_modules()
-            if name and len(name.split(".")) == len(parts)
-            and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), parts))]
+    return [
+        name
+        for name, _ in model.named_modules()
+        if name
+        and len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(a, b) for a, b in zip(name.split("."), parts))
+    ]
 
 
 def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -70,32 +74,42 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[st
     if plan is None:
         plan = getattr(model, "tp_plan", None)
         if plan is None:
-            raise ValueError(f"TensorParallel(plan=None) needs a plan: pass plan={{'layers.*.fc1': 'colwise', ...}} "
-                             f"or give {type(model).__name__} a tp_plan attribute")
+            raise ValueError(
+                f"TensorParallel(plan=None) needs a plan: pass plan={{'layers.*.fc1': 'colwise', ...}} "
+                f"or give {type(model).__name__} a tp_plan attribute"
+            )
     if not isinstance(plan, Mapping) or not plan:
-        raise ValueError(f"tensor-parallel plan={plan!r} must be a non-empty mapping of module-name patterns to "
-                         f"styles ({', '.join(_STYLE_NAMES)})")
+        raise ValueError(
+            f"tensor-parallel plan={plan!r} must be a non-empty mapping of module-name patterns to "
+            f"styles ({', '.join(_STYLE_NAMES)})"
+        )
     resolved: dict[str, Any] = {}
     for pattern, style in plan.items():
         names = matching_modules(model, pattern)
         if not names:
             top = ", ".join(n for n, _ in model.named_children())
-            raise ValueError(f"tensor-parallel plan key {pattern!r} names no module of {type(model).__name__} "
-                             f"(its top-level modules: {top}); use dotted module names, '*' for one level")
+            raise ValueError(
+                f"tensor-parallel plan key {pattern!r} names no module of {type(model).__name__} "
+                f"(its top-level modules: {top}); use dotted module names, '*' for one level"
+            )
         if isinstance(style, ParallelStyle):
             resolved[pattern] = style
             continue
         key = _ALIASES.get(str(style), str(style))
         if key not in _STYLE_NAMES:
-            raise ValueError(f"tensor-parallel plan[{pattern!r}]={style!r} is not a style; expected one of "
-                             f"{', '.join(_STYLE_NAMES)} or a torch ParallelStyle object")
+            raise ValueError(
+                f"tensor-parallel plan[{pattern!r}]={style!r} is not a style; expected one of "
+                f"{', '.join(_STYLE_NAMES)} or a torch ParallelStyle object"
+            )
         if key != "sequence":
             for name in names:
                 module = model.get_submodule(name)
                 if not isinstance(module, _SPLITTABLE):
-                    raise ValueError(f"tensor-parallel plan[{pattern!r}]={style!r} selects {name!r}, a "
-                                     f"{type(module).__name__}; {key} splits only nn.Linear and nn.Embedding "
-                                     "weights: point the pattern at the Linear layers inside it")
+                    raise ValueError(
+                        f"tensor-parallel plan[{pattern!r}]={style!r} selects {name!r}, a "
+                        f"{type(module).__name__}; {key} splits only nn.Linear and nn.Embedding "
+                        "weights: point the pattern at the Linear layers inside it"
+                    )
         resolved[pattern] = _style(key)
     return resolved
 
@@ -132,8 +146,14 @@ class TensorParallel(Strategy):
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         plan = resolve_tp_plan(model, self.plan)  # user errors first, before any collective
-        return ParallelizePlan.on_mesh(ParallelDims(dp_shard=1, tp=ctx.world_size), ctx=ctx, precision=precision,
-                                       options=self.parallelize_options, blocks=find_blocks(model), tp_plan=plan)
+        return ParallelizePlan.on_mesh(
+            ParallelDims(dp_shard=1, tp=ctx.world_size),
+            ctx=ctx,
+            precision=precision,
+            options=self.parallelize_options,
+            blocks=find_blocks(model),
+            tp_plan=plan,
+        )
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm_(model.parameters(), max_norm, norm_type)

@@ -45,11 +45,14 @@ class Zero1(DDP):
         super().__init__(**ddp_kwargs)
         self.parameters_as_bucket_view = parameters_as_bucket_view
 
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context,
-              precision: Precision) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
+    ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         if optimizer is not None and any(optimizer.state.values()):
-            raise ValueError("strategy='zero1' got an optimizer that already has state (it has stepped); "
-                             "create the Engine/Trainer before the first optimizer step")
+            raise ValueError(
+                "strategy='zero1' got an optimizer that already has state (it has stepped); "
+                "create the Engine/Trainer before the first optimizer step"
+            )
         model, optimizer = super().setup(model, optimizer, ctx, precision)
         if ctx.world_size == 1 or optimizer is None:
             return model, optimizer
@@ -76,8 +79,12 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, parameters_as_bucket_view:
         return optimizer
     cls = type(optimizer)
     groups = [dict(group) for group in optimizer.param_groups]
-    zero = ZeroRedundancyOptimizer(groups, optimizer_class=cls, parameters_as_bucket_view=parameters_as_bucket_view,
-                                   **_constructor_defaults(cls, optimizer.defaults))
+    zero = ZeroRedundancyOptimizer(
+        groups,
+        optimizer_class=cls,
+        parameters_as_bucket_view=parameters_as_bucket_view,
+        **_constructor_defaults(cls, optimizer.defaults),
+    )
     # ZeroRedundancyOptimizer copies every group's hyperparameters (not "params") into its local
     # optimizer before each step. Sharing the user's group dicts, which hold the same parameters in
     # the same order, keeps an LR scheduler built on the user's optimizer in charge of the rate.

@@ -20,10 +20,20 @@ from kiln.launch.context import Context, resolve_device
 __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
 
 
-def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[..., torch.Tensor] | None, *,
-                 precision: Any, strategy: Any, clip_grad_norm: float | None,
-                 deepspeed_config: Mapping[str, Any] | str | None, algorithms: Sequence[Any],
-                 batch_size: int | None = None, device: str | torch.device | None = None, ctx: Context) -> Engine:
+def build_engine(
+    model: nn.Module | None,
+    optimizers: Any,
+    criterion: Callable[..., torch.Tensor] | None,
+    *,
+    precision: Any,
+    strategy: Any,
+    clip_grad_norm: float | None,
+    deepspeed_config: Mapping[str, Any] | str | None,
+    algorithms: Sequence[Any],
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    ctx: Context,
+) -> Engine:
     """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``; ``batch_size``: the training
     loader's, per rank (DeepSpeed's config takes it when it names no batch size); ``device``: the
     Trainer's ``device=`` (see :func:`kiln.launch.context.resolve_device`)."""
@@ -35,8 +45,10 @@ def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[.
     if resolved != ctx.device:
         ctx = dataclasses.replace(ctx, device=resolved)
     if not isinstance(model, Model) and criterion is None:
-        raise ValueError(f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
-                         "or make it a kiln.Model with a loss(outputs, batch) method")
+        raise ValueError(
+            f"model is a plain {type(model).__name__}; pass criterion= (e.g. nn.CrossEntropyLoss()) "
+            "or make it a kiln.Model with a loss(outputs, batch) method"
+        )
     optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
     if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
         strategy = _deepspeed_strategy(strategy, deepspeed_config, batch_size)
@@ -45,8 +57,15 @@ def build_engine(model: nn.Module | None, optimizers: Any, criterion: Callable[.
 
         strategy = get_strategy(strategy, ctx)
         strategy.find_unused_parameters = True
-    return Engine(model, optimizer, model.loss if isinstance(model, Model) else criterion,
-                  precision=precision, strategy=strategy, clip_grad_norm=clip_grad_norm, ctx=ctx)
+    return Engine(
+        model,
+        optimizer,
+        model.loss if isinstance(model, Model) else criterion,
+        precision=precision,
+        strategy=strategy,
+        clip_grad_norm=clip_grad_norm,
+        ctx=ctx,
+    )
 
 
 def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
@@ -64,8 +83,10 @@ def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str
     from kiln.parallel.deepspeed import DeepSpeed
 
     if strategy not in (None, "auto", "deepspeed"):
-        raise ValueError(f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
-                         "deepspeed strategy; drop one of them")
+        raise ValueError(
+            f"deepspeed_config= is given with strategy={strategy!r}: deepspeed_config selects the "
+            "deepspeed strategy; drop one of them"
+        )
     ds = DeepSpeed(deepspeed_config)
     if batch_size and "train_batch_size" not in ds.config:
         # Composer fills it from the loader too. The Trainer's grad_accum splits this batch itself,
@@ -76,6 +97,7 @@ def _deepspeed_strategy(strategy: Any, deepspeed_config: Mapping[str, Any] | str
 
 def targets_loss(criterion: Callable[..., torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
     """``criterion(outputs, targets)`` as a loss of ``(outputs, batch)`` for ``(inputs, targets)`` batches."""
+
     def loss(outputs: Any, batch: Any) -> torch.Tensor:
         return criterion(outputs, batch[1])
 
@@ -101,8 +123,7 @@ def _torch_optimizer(optimizer: Any) -> Any:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None,
-                     ssr: float) -> tuple[list[Any], list[Any]]:
+def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None, ssr: float) -> tuple[list[Any], list[Any]]:
     """(stepped every batch, stepped every epoch). Time-aware (Composer) schedulers, and functions
     ``f(state)``/``f(state, ssr)``, are compiled into a torch scheduler stepped every batch; torch
     schedulers step per epoch unless ``every_batch``, and are stretched by ``ssr`` as Composer does

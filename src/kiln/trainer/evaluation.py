@@ -103,9 +103,11 @@ def _dataset_batch(loader: Any) -> Any:
         size = min(getattr(loader, "batch_size", None) or 1, len(dataset))
         return collate([dataset[i] for i in range(size)])
     except TypeError:
-        raise ValueError(f"this rank's evaluation shard of {type(loader).__name__} is empty, and kiln cannot build a "
-                         "padding batch from it (it needs a DataLoader over a map-style dataset); give every "
-                         "data-parallel rank at least one batch") from None
+        raise ValueError(
+            f"this rank's evaluation shard of {type(loader).__name__} is empty, and kiln cannot build a "
+            "padding batch from it (it needs a DataLoader over a map-style dataset); give every "
+            "data-parallel rank at least one batch"
+        ) from None
 
 
 def even_batches(trainer: Trainer, loader: Any, limit: int | None = None) -> Iterator[tuple[Any, bool]]:
@@ -153,7 +155,8 @@ def _repeat_rows(data: Any, rows: int, size: int) -> Any:
         return type(data)(_repeat_rows(item, rows, size) for item in data)
     if isinstance(data, Mapping):
         return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-            {k: _repeat_rows(v, rows, size) for k, v in data.items()})
+            {k: _repeat_rows(v, rows, size) for k, v in data.items()}
+        )
     return data
 
 
@@ -164,12 +167,14 @@ def _take_rows(data: Any, rows: int, size: int) -> Any:
         return type(data)(_take_rows(item, rows, size) for item in data)
     if isinstance(data, Mapping):
         return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-            {k: _take_rows(v, rows, size) for k, v in data.items()})
+            {k: _take_rows(v, rows, size) for k, v in data.items()}
+        )
     return data
 
 
-def _forward(trainer: Trainer, batch: Any, fixed_rows: int | None,
-             with_loss: bool = True) -> tuple[Any, torch.Tensor | None, Any]:
+def _forward(
+    trainer: Trainer, batch: Any, fixed_rows: int | None, with_loss: bool = True
+) -> tuple[Any, torch.Tensor | None, Any]:
     """``(outputs, loss, eval_outputs)`` of one batch, padded with repeated rows to ``fixed_rows``
     for the forward and cut back to the batch's own rows after it. No loss for prediction, whose
     batches may hold no targets."""
@@ -186,7 +191,9 @@ def _forward(trainer: Trainer, batch: Any, fixed_rows: int | None,
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_batches: int | None = None) -> dict[str, float]:
+def evaluate(
+    trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_batches: int | None = None
+) -> dict[str, float]:
     """Run ``dataloader`` through the model in eval mode; returns ``{"<label>/loss": ..., "<label>/<Metric>": ...}``.
 
     Metric states are summed across ranks by torchmetrics in ``compute()``, so every rank gets the
@@ -269,9 +276,11 @@ def _gather_in_order(trainer: Trainer, loader: Any, outputs: list[Any]) -> list[
         return outputs if rank == 0 else None
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, ShardSampler):
-        raise ValueError(f"predict(gather=True) over {dp_size} data-parallel ranks needs to know which sample "
-                         f"each rank read, but the loader's sampler is {type(sampler).__name__}; pass a DataLoader "
-                         "with the default sequential sampler (kiln shards it), or gather=False")
+        raise ValueError(
+            f"predict(gather=True) over {dp_size} data-parallel ranks needs to know which sample "
+            f"each rank read, but the loader's sampler is {type(sampler).__name__}; pass a DataLoader "
+            "with the default sequential sampler (kiln shards it), or gather=False"
+        )
     # Ranks of one tensor-parallel group or pipeline hold the same outputs: the lowest rank of each
     # data-parallel rank sends them, the others send nothing.
     coords: list[Any] = [None] * dist.get_world_size()
@@ -300,7 +309,8 @@ def _to_cpu(data: Any) -> Any:
         return type(data)(_to_cpu(item) for item in data)
     if isinstance(data, Mapping):
         return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-            {k: _to_cpu(v) for k, v in data.items()})
+            {k: _to_cpu(v) for k, v in data.items()}
+        )
     return data
 
 
@@ -312,10 +322,13 @@ def _cat_rows(parts: list[Any]) -> Any:
         return type(first)(_cat_rows([p[i] for p in parts]) for i in range(len(first)))
     if isinstance(first, Mapping):
         return type(first)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
-            {k: _cat_rows([p[k] for p in parts]) for k in first})
-    raise TypeError(f"predict(gather=True) puts outputs in dataset order row by row, and cannot do that with "
-                    f"a {type(first).__name__}; return tensors (or tuples/dicts of tensors) with a leading batch "
-                    "dimension, or use gather=False")
+            {k: _cat_rows([p[k] for p in parts]) for k in first}
+        )
+    raise TypeError(
+        f"predict(gather=True) puts outputs in dataset order row by row, and cannot do that with "
+        f"a {type(first).__name__}; return tensors (or tuples/dicts of tensors) with a leading batch "
+        "dimension, or use gather=False"
+    )
 
 
 def _index_rows(data: Any, index: torch.Tensor) -> Any:

@@ -14,10 +14,22 @@ from kiln.launch import heartbeat
 __all__ = ["EventRunner"]
 
 # Events inside a training batch, before the timestamp counts it: described with the batch's number.
-_IN_BATCH = frozenset({Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-                       Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
-                       Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH,
-                       Event.BEFORE_OPTIMIZER_STEP})
+_IN_BATCH = frozenset(
+    {
+        Event.BEFORE_DATALOADER,
+        Event.AFTER_DATALOADER,
+        Event.BATCH_START,
+        Event.BEFORE_TRAIN_BATCH,
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+        Event.AFTER_TRAIN_BATCH,
+        Event.BEFORE_OPTIMIZER_STEP,
+    }
+)
 
 
 def _listens(callback: Callback, event: Event) -> bool:
@@ -101,7 +113,7 @@ class EventRunner:
         state, logger = self.state, self.logger
         algorithms: Sequence[Algorithm] = state.algorithms
         if algorithms:
-            for algorithm in (reversed(algorithms) if event.is_after_event else algorithms):
+            for algorithm in reversed(algorithms) if event.is_after_event else algorithms:
                 if algorithm.match(event, state):
                     algorithm.apply(event, state, logger)
         for callback in self._callbacks[event]:

@@ -9,16 +9,24 @@ to another layer (the checkpoint save types, retention) are that layer's functio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
 
-__all__ = ["TrainerOptions", "DurationOptions", "MicrobatchOptions", "EvalOptions", "LogOptions",
-           "CheckpointOptions", "resolve_duration"]
+__all__ = [
+    "TrainerOptions",
+    "DurationOptions",
+    "MicrobatchOptions",
+    "EvalOptions",
+    "LogOptions",
+    "CheckpointOptions",
+    "resolve_duration",
+]
 
 
 def _positive_int(name: str, value: Any, *, none: bool = False, extra: str = "") -> None:
@@ -32,11 +40,14 @@ def _positive_int(name: str, value: Any, *, none: bool = False, extra: str = "")
 def resolve_duration(value: Any) -> Time:
     """max_duration as a Time: ints are epochs; ``dur`` is not allowed (it is relative to itself)."""
     if isinstance(value, bool) or not isinstance(value, (int, str, Time)):
-        raise ValueError(f"max_duration={value!r} must be an int (epochs), a time string like '10ep' or '500ba', "
-                         "or a kiln.Time")
+        raise ValueError(
+            f"max_duration={value!r} must be an int (epochs), a time string like '10ep' or '500ba', or a kiln.Time"
+        )
     time = Time.from_input(value)
     if time.unit == TimeUnit.DURATION:
-        raise ValueError(f"max_duration={value!r} cannot be a fraction of itself; use ep, ba, sp, tok or a wall-clock time")
+        raise ValueError(
+            f"max_duration={value!r} cannot be a fraction of itself; use ep, ba, sp, tok or a wall-clock time"
+        )
     if time.value <= 0:
         raise ValueError(f"max_duration={value!r} must be positive")
     return time
@@ -50,8 +61,10 @@ def _interval(name: str, value: Any) -> Time | Callable:
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{name}={value!r} is not a time: {exc}") from None
     if time.unit not in (TimeUnit.EPOCH, TimeUnit.BATCH, TimeUnit.DURATION) or time.value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of epochs ('1ep'), batches ('100ba') "
-                         "or a fraction of the run ('0.25dur')")
+        raise ValueError(
+            f"{name}={value!r} must be a positive number of epochs ('1ep'), batches ('100ba') "
+            "or a fraction of the run ('0.25dur')"
+        )
     return time
 
 
@@ -76,8 +89,10 @@ class DurationOptions:
         if self.max_duration is not None:
             duration = resolve_duration(self.max_duration)
             if ssr != 1.0:  # the run stretches with its schedules (Composer's scale_schedule_ratio)
-                duration = Time(max(1, int(duration.value * ssr)) if isinstance(duration.value, int)
-                                else duration.value * ssr, duration.unit)
+                duration = Time(
+                    max(1, int(duration.value * ssr)) if isinstance(duration.value, int) else duration.value * ssr,
+                    duration.unit,
+                )
             self.max_duration = duration
         subset = self.train_subset_num_batches
         if subset != -1:
@@ -107,8 +122,10 @@ class MicrobatchOptions:
         elif size is not None:
             _positive_int("device_train_microbatch_size", size, extra=", or 'auto'")
             if self.grad_accum != 1:
-                raise ValueError(f"grad_accum={self.grad_accum!r} and device_train_microbatch_size={size!r} both split "
-                                 "batches; set one of them")
+                raise ValueError(
+                    f"grad_accum={self.grad_accum!r} and device_train_microbatch_size={size!r} both split "
+                    "batches; set one of them"
+                )
             self.microbatch = size
         self.splits_batches = self.auto_microbatch or self.microbatch is not None or self.grad_accum > 1
 
@@ -122,8 +139,9 @@ class MicrobatchOptions:
     def halve_microbatch(self, batch_size: int) -> None:
         current = self.microbatch or batch_size
         if current <= 1:
-            raise torch.OutOfMemoryError("out of memory with a microbatch of 1 sample; "
-                                         "device_train_microbatch_size='auto' cannot go lower")
+            raise torch.OutOfMemoryError(
+                "out of memory with a microbatch of 1 sample; device_train_microbatch_size='auto' cannot go lower"
+            )
         self.microbatch = current // 2
 
     def any_rank_oom(self, local_oom: bool) -> bool:

@@ -37,13 +37,24 @@ class ProgressBar:
         if not self.enabled:
             return
         self.close()
-        total_epochs = state.max_duration.value if state.max_duration is not None and state.max_duration.unit.value == "ep" else None
+        total_epochs = (
+            state.max_duration.value
+            if state.max_duration is not None and state.max_duration.unit.value == "ep"
+            else None
+        )
         desc = f"epoch {state.timestamp.epoch.value + 1}" + (f"/{total_epochs}" if total_epochs else "")
         if self.stream.isatty():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=state.dataloader_len, desc=desc, file=self.stream, dynamic_ncols=True,
-                             initial=state.timestamp.batch_in_epoch.value, unit="ba", leave=True)
+            self._bar = tqdm(
+                total=state.dataloader_len,
+                desc=desc,
+                file=self.stream,
+                dynamic_ncols=True,
+                initial=state.timestamp.batch_in_epoch.value,
+                unit="ba",
+                leave=True,
+            )
         else:
             self._epoch_line = desc
 
@@ -72,8 +83,11 @@ class ProgressBar:
             if loss is not None:
                 ts = state.timestamp
                 rate = ts.batch_in_epoch.value / ts.epoch_wct if ts.epoch_wct else 0.0
-                print(f"{self._epoch_line}: {ts.batch_in_epoch.value} batches, loss {loss:.4g}, {rate:.1f} ba/s",
-                      file=self.stream, flush=True)
+                print(
+                    f"{self._epoch_line}: {ts.batch_in_epoch.value} batches, loss {loss:.4g}, {rate:.1f} ba/s",
+                    file=self.stream,
+                    flush=True,
+                )
         self._epoch_line = None
 
     def close(self) -> None:

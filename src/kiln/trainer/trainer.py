@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +30,15 @@ from kiln.loggers.logger import Logger
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
-from kiln.trainer.options import (CheckpointOptions, DurationOptions, EvalOptions, LogOptions, MicrobatchOptions,
-                                  TrainerOptions, resolve_duration)
+from kiln.trainer.options import (
+    CheckpointOptions,
+    DurationOptions,
+    EvalOptions,
+    LogOptions,
+    MicrobatchOptions,
+    TrainerOptions,
+    resolve_duration,
+)
 from kiln.trainer.progress import ProgressBar
 
 __all__ = ["Trainer"]
@@ -116,13 +124,23 @@ class Trainer:
             model, engine = None, model
         # Every argument checked before anything is built: a bad value fails here, in one line.
         self.options = opts = TrainerOptions(
-            duration=DurationOptions(max_duration, scale_schedule_ratio, train_subset_num_batches,
-                                     step_schedulers_every_batch),
+            duration=DurationOptions(
+                max_duration, scale_schedule_ratio, train_subset_num_batches, step_schedulers_every_batch
+            ),
             microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
             evaluation=EvalOptions(eval_interval, eval_subset_num_batches),
             logging=LogOptions(loggers, log_interval, progress_bar),
-            checkpointing=CheckpointOptions(save_folder, save_interval, save_num_checkpoints_to_keep, save_type,
-                                            save_best, save_async, load_path, autoresume))
+            checkpointing=CheckpointOptions(
+                save_folder,
+                save_interval,
+                save_num_checkpoints_to_keep,
+                save_type,
+                save_best,
+                save_async,
+                load_path,
+                autoresume,
+            ),
+        )
         ctx = context()
         if seed is not None:
             seed_everything(seed)
@@ -135,13 +153,24 @@ class Trainer:
 
         # -- the engine: model, optimizer, precision, strategy ------------------------------
         if engine is None:
-            engine = build_engine(model, optimizers, criterion, precision=precision, strategy=strategy,
-                                  clip_grad_norm=clip_grad_norm, deepspeed_config=deepspeed_config,
-                                  algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
-                                  batch_size=getattr(train_dataloader, "batch_size", None), device=device, ctx=ctx)
+            engine = build_engine(
+                model,
+                optimizers,
+                criterion,
+                precision=precision,
+                strategy=strategy,
+                clip_grad_norm=clip_grad_norm,
+                deepspeed_config=deepspeed_config,
+                algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
+                batch_size=getattr(train_dataloader, "batch_size", None),
+                device=device,
+                ctx=ctx,
+            )
         elif device is not None and resolve_device(device, ctx) != engine.device:
-            raise ValueError(f"device={device!r} differs from the device of the engine= given ({engine.device}); the "
-                             "Engine already placed the model: drop device=, or build the Engine on that device")
+            raise ValueError(
+                f"device={device!r} differs from the device of the engine= given ({engine.device}); the "
+                "Engine already placed the model: drop device=, or build the Engine on that device"
+            )
         self.engine = engine
         module = engine.module
         self._is_kiln_model = isinstance(module, Model)
@@ -151,11 +180,17 @@ class Trainer:
 
         # -- state ---------------------------------------------------------------------------
         self.state = state = State(
-            module, rank=ctx.rank, world_size=ctx.world_size, optimizers=[engine.optimizer] if engine.optimizer else [],
-            precision=engine.precision, device=engine.device, seed=seed,
+            module,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            optimizers=[engine.optimizer] if engine.optimizer else [],
+            precision=engine.precision,
+            device=engine.device,
+            seed=seed,
             algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
             callbacks=[callbacks] if isinstance(callbacks, Callback) else list(callbacks),
-            run_name=run_name or "kiln")
+            run_name=run_name or "kiln",
+        )
         state.engine = engine
         state.loss_fn = self.loss_fn
         state.config = self.config  # recorded in each checkpoint's manifest
@@ -174,14 +209,20 @@ class Trainer:
 
         # -- schedulers, checkpoints ---------------------------------------------------------
         self._per_batch_schedulers, self._per_epoch_schedulers = split_schedulers(
-            schedulers, state, opts.duration.step_schedulers_every_batch, opts.duration.scale_schedule_ratio)
+            schedulers, state, opts.duration.step_schedulers_every_batch, opts.duration.scale_schedule_ratio
+        )
         self._saver = None
         if save_folder is not None:
             from kiln.checkpoint import CheckpointSaver  # checkpoint code loads only when used
 
-            self._saver = CheckpointSaver(save_folder, interval=save_interval,
-                                          num_checkpoints_to_keep=save_num_checkpoints_to_keep,
-                                          save_type=save_type, save_best=save_best, save_async=save_async)
+            self._saver = CheckpointSaver(
+                save_folder,
+                interval=save_interval,
+                num_checkpoints_to_keep=save_num_checkpoints_to_keep,
+                save_type=save_type,
+                save_best=save_best,
+                save_async=save_async,
+            )
             self.events.add(self._saver)
 
         self.events.run(Event.INIT)
@@ -196,7 +237,9 @@ class Trainer:
             engine = self.engine
             loader = with_resumable_sampler(loader, seed, engine.data_parallel_size, engine.data_parallel_rank)
             subset, resumable = self.options.duration.train_subset_num_batches, self.state.dataloader
-            if isinstance(resumable, ResumableLoader):  # the run's position (a loaded checkpoint's, or the last loader's) goes on
+            if isinstance(
+                resumable, ResumableLoader
+            ):  # the run's position (a loaded checkpoint's, or the last loader's) goes on
                 resumable.loader, resumable.subset_num_batches = loader, subset
             else:
                 resumable = ResumableLoader(loader, subset)
@@ -209,7 +252,9 @@ class Trainer:
 
     def _set_eval_dataloader(self, loader: Iterable | None) -> None:
         if loader is not None:
-            self.eval_dataloader = ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
+            self.eval_dataloader = ShardSampler.wrap(
+                loader, self.engine.data_parallel_size, self.engine.data_parallel_rank
+            )
 
     def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
         if autoresume:  # with a save_folder: CheckpointOptions checked it
@@ -236,15 +281,32 @@ class Trainer:
         return self.engine(batch) if self._is_kiln_model else self.engine(batch[0])
 
     # -- the loop ------------------------------------------------------------------------------
-    def fit(self, train_dataloader: Iterable | None = None, duration: int | str | Time | None = None,
-            eval_dataloader: Iterable | None = None, epochs: int | None = None, test_dataloader: Iterable | None = None,
-            test_interval: int = 1, hooks: Sequence[Any] | None = None, display_progress: bool | None = None,
-            reset_time: bool = False) -> None:
+    def fit(
+        self,
+        train_dataloader: Iterable | None = None,
+        duration: int | str | Time | None = None,
+        eval_dataloader: Iterable | None = None,
+        epochs: int | None = None,
+        test_dataloader: Iterable | None = None,
+        test_interval: int = 1,
+        hooks: Sequence[Any] | None = None,
+        display_progress: bool | None = None,
+        reset_time: bool = False,
+    ) -> None:
         """Train until ``max_duration`` (or ``duration`` more, or ``epochs``), evaluating and
         checkpointing as configured. The Colossal-AI arguments (``epochs``, ``test_dataloader``,
         ``test_interval``, ``hooks``, ``display_progress``) work as in its Trainer."""
-        hook_callback = self._prepare_fit(train_dataloader, duration, eval_dataloader, epochs, test_dataloader,
-                                          test_interval, hooks, display_progress, reset_time)
+        hook_callback = self._prepare_fit(
+            train_dataloader,
+            duration,
+            eval_dataloader,
+            epochs,
+            test_dataloader,
+            test_interval,
+            hooks,
+            display_progress,
+            reset_time,
+        )
         state, events, opts, progress = self.state, self.events, self.options, self.progress
         ts, loader = state.timestamp, self.train_dataloader
         counter = "_" + _COUNTER[state.max_duration.unit]  # the Timestamp field max_duration counts
@@ -325,9 +387,18 @@ class Trainer:
                 events.remove(hook_callback)
             progress.close()
 
-    def _prepare_fit(self, train_dataloader: Any, duration: Any, eval_dataloader: Any, epochs: Any,
-                     test_dataloader: Any, test_interval: int, hooks: Any, display_progress: Any,
-                     reset_time: bool) -> Any:
+    def _prepare_fit(
+        self,
+        train_dataloader: Any,
+        duration: Any,
+        eval_dataloader: Any,
+        epochs: Any,
+        test_dataloader: Any,
+        test_interval: int,
+        hooks: Any,
+        display_progress: Any,
+        reset_time: bool,
+    ) -> Any:
         """Apply fit()'s arguments to the Trainer; returns the Colossal-AI hook callback, if any."""
         state, opts = self.state, self.options
         if train_dataloader is not None:
@@ -373,17 +444,25 @@ class Trainer:
         after_backward = self._after_backward if _AFTER_BACKWARD in active else None
         before_step = self._before_optimizer_step if _BEFORE_OPTIMIZER_STEP in active else None
         # nothing to do between the microbatches and the step: the batch and its loss go back on the state after it
-        after_microbatches = (self._after_microbatches if before_step is not None or _AFTER_TRAIN_BATCH in active
-                              or opts.auto_microbatch else None)
+        after_microbatches = (
+            self._after_microbatches
+            if before_step is not None or _AFTER_TRAIN_BATCH in active or opts.auto_microbatch
+            else None
+        )
         # without listeners between forward and backward, the loss needs no event checks
         loss_of = self._plain_loss if active.isdisjoint(_MICROBATCH_EVENTS) else self._microbatch_loss
         while True:
             microbatch_size = opts.microbatch_size(batch_size) if opts.splits_batches else batch_size
             microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
             try:
-                loss = engine.train_step(microbatches, loss_of, weighting=state.microbatch_weighting,
-                                         after_backward=after_backward, after_microbatches=after_microbatches,
-                                         before_optimizer_step=before_step)
+                loss = engine.train_step(
+                    microbatches,
+                    loss_of,
+                    weighting=state.microbatch_weighting,
+                    after_backward=after_backward,
+                    after_microbatches=after_microbatches,
+                    before_optimizer_step=before_step,
+                )
                 if after_microbatches is None:
                     state.batch, state.loss = batch, loss
                 return
@@ -463,13 +542,18 @@ class Trainer:
         self.logger.log_metrics(metrics, step=ts._batch)
 
     # -- evaluation, prediction, checkpoints ---------------------------------------------------
-    def eval(self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval") -> dict[str, float]:
+    def eval(
+        self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval"
+    ) -> dict[str, float]:
         """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``.
 
         Every rank runs the same number of forwards, padding a shorter shard with forwards whose
         outputs count nowhere, so the values equal one process's (see :mod:`kiln.trainer.evaluation`)."""
-        loader = (ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
-                  if dataloader is not None else self.eval_dataloader)
+        loader = (
+            ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
+            if dataloader is not None
+            else self.eval_dataloader
+        )
         if loader is None:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
         heartbeat.follow(self.events.describe)
@@ -533,10 +617,14 @@ _MICROBATCH_EVENTS = frozenset({_BEFORE_FORWARD, _AFTER_FORWARD, _BEFORE_LOSS, _
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
 
 
-
 class _RetryBatch(Exception):
     """Another rank ran out of memory in this batch: every rank retries it with smaller microbatches."""
 
 
-_COUNTER = {TimeUnit.EPOCH: "epoch", TimeUnit.BATCH: "batch", TimeUnit.SAMPLE: "sample", TimeUnit.TOKEN: "token",
-            TimeUnit.SECOND: "total_wct"}
+_COUNTER = {
+    TimeUnit.EPOCH: "epoch",
+    TimeUnit.BATCH: "batch",
+    TimeUnit.SAMPLE: "sample",
+    TimeUnit.TOKEN: "token",
+    TimeUnit.SECOND: "total_wct",
+}
