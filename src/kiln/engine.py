@@ -47,7 +47,9 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(move_to_device(d, device) for d in data)
     if isinstance(data, Mapping):
-        return type(data)({k: move_to_device(v, device) for k, v in data.items()})
+        return type(data)(  # type: ignore[call-arg]  # its own mapping class, which takes a dict
+            {k: move_to_device(v, device) for k, v in data.items()}
+        )
     return data
 
 
@@ -297,6 +299,8 @@ class Engine:
         last backward synchronises them across ranks when ``sync``. The first half of
         :meth:`train_step`, for passes that add gradients without a step of their own (SAM's
         second pass). Returns the step's loss as :meth:`train_step` does."""
+        if not microbatches:
+            raise ValueError("microbatches is empty: a step needs at least one microbatch")
         accum = self._accum
         weights = microbatch_weights(microbatches, weighting)
         last = len(microbatches) - 1
@@ -304,7 +308,8 @@ class Engine:
         # there is more than one backward per step (a plain step leaves DDP's default on).
         sync_each = last > 0 or accum > 1
         strategy, model, scaler = self.strategy, self.model, self.scaler
-        total = loss = None
+        total: torch.Tensor | None = None
+        loss: torch.Tensor | None = None
         self._in_step = True
         try:
             for index, microbatch in enumerate(microbatches):
@@ -323,6 +328,7 @@ class Engine:
                     after_backward()
         finally:
             self._in_step = False
+        assert loss is not None  # at least one microbatch ran
         return loss if total is None else total
 
     def _describe(self) -> str:

@@ -231,6 +231,7 @@ def load_checkpoint(
     except CheckpointError as exc:
         error = exc
     collectives.raise_together(error)
+    assert manifest is not None  # read above, or raise_together raised on every rank
     try:
         read_checkpoint_files(resolved, manifest, state, strict=strict, restore_rng=restore_rng, merged=merged)
     except CheckpointError as exc:

@@ -87,8 +87,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         }
         optimizer_tensors = len(_flat_shapes({"optimizer": merged.get("optimizer")}))
     else:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
         for key, md in read_dcp_metadata(path).state_dict_metadata.items():
-            if not hasattr(md, "size"):
+            if not isinstance(md, TensorStorageMetadata):
                 continue
             if key.startswith("model."):
                 shapes[key[len("model.") :]] = (list(md.size), str(md.properties.dtype).replace("torch.", ""))

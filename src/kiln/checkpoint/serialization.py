@@ -104,9 +104,10 @@ def _check_metadata(file: Path, metadata: Metadata) -> None:
             file, f"is damaged: {problem}", "run `kiln checkpoint verify` on the folder; load an earlier checkpoint"
         )
 
-    tables = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
-    if not all(isinstance(table, dict) for table in tables):
+    entries, storage = getattr(metadata, "state_dict_metadata", None), getattr(metadata, "storage_data", None)
+    if not (isinstance(entries, dict) and isinstance(storage, dict)):
         raise damaged("its tables are missing or not dictionaries")
+    tables = entries, storage
     for key, md in tables[0].items():
         if not isinstance(key, str) or not _sound_entry(md):
             raise damaged(f"the record of {key!r} is malformed")
@@ -182,9 +183,9 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_dcp_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:

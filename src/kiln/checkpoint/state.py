@@ -109,7 +109,7 @@ def _keyed(objects: list[Any]) -> dict[str, Any]:
 
 def collect_training_state(state: Any) -> dict[str, Any]:
     engine = getattr(state, "engine", None)
-    if engine is not None and getattr(engine, "micro_step", 0):
+    if engine is not None and bool(getattr(engine, "micro_step", 0)):
         warnings.warn(
             f"checkpoint taken after micro-step {engine.micro_step} of {engine.gradient_accumulation}: the "
             "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "

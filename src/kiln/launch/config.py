@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import runpy
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +72,14 @@ def _is_config_value(name: str, value: Any) -> bool:
     return not (name.startswith("__") or isinstance(value, (types.ModuleType, type)))
 
 
-def load_config(config: Config | dict | str | Path | None) -> Config:
+def load_config(config: Config | Mapping[str, Any] | str | Path | None) -> Config:
     """Turn whatever the user passed as ``config=`` into a Config."""
     if config is None:
         return Config()
     if isinstance(config, Config):
         return config
-    if isinstance(config, dict):
-        return Config(config)
+    if isinstance(config, Mapping):
+        return Config(dict(config))
     if isinstance(config, (str, Path)):
         return Config.from_file(config)
     raise TypeError(f"config must be a dict, a kiln.Config or a file path; got {type(config).__name__}")

@@ -109,7 +109,9 @@ class ResumableSampler(DistributedSampler):
         # The epoch's global order is the one-rank order (the seed and the epoch fix it; the world
         # size only pads or trims its end): skip its consumed start, then even the rest out over
         # this world's ranks as DistributedSampler does.
-        whole = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed)
+        whole: DistributedSampler = DistributedSampler(
+            self.dataset, num_replicas=1, rank=0, shuffle=self.shuffle, seed=self.seed
+        )
         whole.set_epoch(self.epoch)
         rest = list(whole)[self._world_skip :]
         extra = len(rest) % self.num_replicas
@@ -312,7 +314,8 @@ class ShardSampler(Sampler[int]):
     """
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
-        self.dataset, self.num_replicas, self.rank = dataset, num_replicas, rank
+        self.dataset: Any = dataset  # map-style: has a length (DataLoader checks it)
+        self.num_replicas, self.rank = num_replicas, rank
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, len(self.dataset), self.num_replicas))
@@ -322,7 +325,7 @@ class ShardSampler(Sampler[int]):
 
     def shard_length(self, rank: int) -> int:
         """Samples in ``rank``'s shard; rank 0's is the longest. Known on every rank without communication."""
-        return len(range(rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
+        return len(range(rank, len(self.dataset), self.num_replicas))
 
     @classmethod
     def wrap(cls, loader: Any, num_replicas: int | None = None, rank: int | None = None) -> Any:

@@ -80,9 +80,8 @@ class Heartbeat:
 
     def start(self) -> None:
         self._publish(self.store)  # the key exists from launch on: readers never wait for it
-        self._thread = threading.Thread(
-            target=self._run, args=(self.store.clone(),), name="kiln-heartbeat", daemon=True
-        )
+        store = self.store.clone()  # type: ignore[attr-defined]  # torch's stubs lack Store.clone
+        self._thread = threading.Thread(target=self._run, args=(store,), name="kiln-heartbeat", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

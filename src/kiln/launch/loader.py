@@ -117,7 +117,7 @@ class ResumableLoader:
                 "this ResumableLoader holds a loaded position but no loader: give it one (the Trainer: "
                 "train_dataloader=) before iterating"
             )
-        sampler = getattr(self._loader, "sampler", None)
+        sampler: Any = getattr(self._loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)
         to_fetch = self._skip_in_sampler(sampler)
@@ -169,7 +169,7 @@ class ResumableLoader:
         ``batch_in_epoch`` (this rank's), ``sample_in_epoch`` (all ranks', or None), ``sampler`` (its
         ``state_dict()``, or None) and ``rng`` (mid-epoch: the RNG states now, which the next
         ``iter()`` after a load puts back; else None)."""
-        sampler = getattr(self._loader, "sampler", None)
+        sampler: Any = getattr(self._loader, "sampler", None)
         sampler_state = self._sampler_state
         if sampler_state is None and hasattr(sampler, "state_dict"):
             sampler_state = sampler.state_dict()
@@ -199,7 +199,7 @@ class ResumableLoader:
         self._rng = state_dict.get("rng") if self.batch_in_epoch else None
 
     def _give_sampler_state(self) -> None:
-        sampler = getattr(self._loader, "sampler", None)
+        sampler: Any = getattr(self._loader, "sampler", None)
         if self._sampler_state is not None and hasattr(sampler, "load_state_dict"):
             sampler.load_state_dict(self._sampler_state)  # its seed: the order the saved run had
             self._sampler_state = None  # else kept, and passed on by state_dict()

@@ -18,7 +18,7 @@ class _StdoutHandler(logging.StreamHandler):
         super().__init__()
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self):
         return sys.stdout
 
     @stream.setter

@@ -22,7 +22,9 @@ def rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # legacy=True: the (kind, keys, pos, has_gauss, cached) form
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = {
             "kind": kind,
             "keys": torch.from_numpy(keys.astype(np.int64)),

@@ -126,6 +126,7 @@ class MicrobatchOptions:
                     f"grad_accum={self.grad_accum!r} and device_train_microbatch_size={size!r} both split "
                     "batches; set one of them"
                 )
+            assert isinstance(size, int)  # checked above
             self.microbatch = size
         self.splits_batches = self.auto_microbatch or self.microbatch is not None or self.grad_accum > 1
 

@@ -27,6 +27,7 @@ from kiln.launch.context import context, resolve_device, seed_everything
 from kiln.launch.data import ShardSampler, with_resumable_sampler
 from kiln.launch.loader import ResumableLoader
 from kiln.loggers.logger import Logger
+from kiln.precision import Precision
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
 from kiln.trainer.evaluation import evaluate, predict
 from kiln.trainer.events import EventRunner
@@ -88,7 +89,7 @@ class Trainer:
         schedulers: Any = None,
         criterion: Callable[..., torch.Tensor] | None = None,
         device: str | torch.device | None = None,
-        precision: str | Mapping[str, Any] | None = None,
+        precision: str | Mapping[str, Any] | Precision | None = None,
         strategy: Any = "auto",
         grad_accum: int = 1,
         device_train_microbatch_size: int | str | None = None,
@@ -125,10 +126,13 @@ class Trainer:
         # Every argument checked before anything is built: a bad value fails here, in one line.
         self.options = opts = TrainerOptions(
             duration=DurationOptions(
-                max_duration, scale_schedule_ratio, train_subset_num_batches, step_schedulers_every_batch
+                max_duration,  # type: ignore[arg-type]  # __post_init__ makes it a Time
+                scale_schedule_ratio,
+                train_subset_num_batches,
+                step_schedulers_every_batch,
             ),
             microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
-            evaluation=EvalOptions(eval_interval, eval_subset_num_batches),
+            evaluation=EvalOptions(eval_interval, eval_subset_num_batches),  # type: ignore[arg-type]  # made a Time
             logging=LogOptions(loggers, log_interval, progress_bar),
             checkpointing=CheckpointOptions(
                 save_folder,
@@ -202,8 +206,8 @@ class Trainer:
         self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0, logger=self.logger)
 
         # -- data ----------------------------------------------------------------------------
-        self.train_dataloader = None
-        self.eval_dataloader = None
+        self.train_dataloader: Iterable | None = None
+        self.eval_dataloader: Iterable | None = None
         self._set_train_dataloader(train_dataloader)
         self._set_eval_dataloader(eval_dataloader)
 
@@ -237,9 +241,8 @@ class Trainer:
             engine = self.engine
             loader = with_resumable_sampler(loader, seed, engine.data_parallel_size, engine.data_parallel_rank)
             subset, resumable = self.options.duration.train_subset_num_batches, self.state.dataloader
-            if isinstance(
-                resumable, ResumableLoader
-            ):  # the run's position (a loaded checkpoint's, or the last loader's) goes on
+            # the run's position (a loaded checkpoint's, or the last loader's) goes on
+            if isinstance(resumable, ResumableLoader):
                 resumable.loader, resumable.subset_num_batches = loader, subset
             else:
                 resumable = ResumableLoader(loader, subset)
@@ -268,6 +271,7 @@ class Trainer:
         from kiln.checkpoint.layout import resolve_checkpoint
 
         path = resolve_checkpoint(save_folder, load_path)
+        assert path is not None  # must_exist: resolve_checkpoint raised otherwise
         self.events.run(Event.BEFORE_LOAD)
         load_checkpoint(path, self.state)
         self.events.run(Event.AFTER_LOAD)
@@ -308,9 +312,10 @@ class Trainer:
             reset_time,
         )
         state, events, opts, progress = self.state, self.events, self.options, self.progress
-        ts, loader = state.timestamp, self.train_dataloader
-        counter = "_" + _COUNTER[state.max_duration.unit]  # the Timestamp field max_duration counts
-        limit, by_epoch = state.max_duration.value, state.max_duration.unit == TimeUnit.EPOCH
+        ts, loader, max_duration = state.timestamp, self.train_dataloader, state.max_duration
+        assert loader is not None and max_duration is not None  # _prepare_fit raised otherwise
+        counter = "_" + _COUNTER[max_duration.unit]  # the Timestamp field max_duration counts
+        limit, by_epoch = max_duration.value, max_duration.unit == TimeUnit.EPOCH
         # Events nobody listens to are skipped with one set lookup: the loop's per-batch cost
         # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
         active, run = events.active, events.run
