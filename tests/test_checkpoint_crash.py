@@ -45,6 +45,18 @@ KEEP, WIDTH = 2, 512  # as in the worker
 MAX_DELAY = 0.25  # seconds after the first save: several save cycles, so kills land in every phase
 
 
+def _proc_state(pid: int | None) -> str:
+    """``PID state=D wchan=...``: what a silent process is doing (D: stuck in the kernel, e.g. an fsync)."""
+    if pid is None:
+        return "none"
+    try:
+        state = next(line.split(":", 1)[1].strip() for line in open(f"/proc/{pid}/status") if line.startswith("State:"))
+        wchan = open(f"/proc/{pid}/wchan").read().strip()
+    except (OSError, StopIteration):
+        return f"{pid} gone"
+    return f"{pid} state={state} wchan={wchan or '-'}"
+
+
 class Server:
     """The fork server, spoken to line by line; every read has a deadline."""
 
@@ -61,6 +73,7 @@ class Server:
             text=True,
         )
         self.buffer = b""
+        self.child: int | None = None
         self.expect("ready", timeout=120)
 
     def send(self, line: str) -> None:
@@ -76,7 +89,10 @@ class Server:
                 yield line.decode()
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"no answer from the crash server in {timeout} s; its stderr:\n{self.stderr()}")
+                raise AssertionError(
+                    f"no answer from the crash server in {timeout} s (server {_proc_state(self.proc.pid)}, "
+                    f"child {_proc_state(self.child)}); its stderr:\n{self.stderr()}"
+                )
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 raise AssertionError(f"the crash server died; its stderr:\n{self.stderr()}")
@@ -87,6 +103,8 @@ class Server:
         seen = []
         for line in self.lines(timeout):
             seen.append(line)
+            if line.startswith("child "):
+                self.child = int(line.split()[1])
             if line.startswith("error"):
                 raise AssertionError(f"the training child failed: {line}\n{self.stderr()}")
             if line.startswith(prefix):
