@@ -83,3 +83,34 @@ def test_emulated_conversion_keeps_names_and_trains_close_to_full_precision():
     grad, expected_grad = model.up.weight.grad.flatten(), reference.up.weight.grad.flatten()
     assert nn.functional.cosine_similarity(grad, expected_grad, dim=0) > 0.97
     assert abs(grad.norm() / expected_grad.norm() - 1) < 0.1
+
+
+def test_the_trainer_refuses_float8_on_the_cpu_and_trains_emulated():
+    pytest.importorskip("torchao.float8")
+    import kiln
+
+    data = torch.utils.data.TensorDataset(torch.randn(32, 32), torch.randn(32, 32))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+
+    def trainer(float8):
+        torch.manual_seed(0)
+        model = Tiny()
+        return kiln.Trainer(
+            model,
+            train_dataloader=loader,
+            max_duration="4ba",
+            criterion=nn.MSELoss(),
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            progress_bar=False,
+            float8=float8,
+        )
+
+    with pytest.raises(ValueError, match=r"^float8 training needs an NVIDIA GPU .* this run is on cpu"):
+        trainer(True)
+    with pytest.raises(ValueError, match=r"^float8 recipe='fast'"):
+        trainer({"recipe": "fast"})
+    fp8, plain = trainer({"emulate": True}), trainer(None)
+    assert type(fp8.state.model.up).__name__ == "Float8Linear" and type(plain.state.model.up) is nn.Linear
+    fp8.fit()
+    plain.fit()
+    assert abs(float(fp8.state.loss) - float(plain.state.loss)) < 0.05 * float(plain.state.loss)

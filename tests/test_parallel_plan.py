@@ -61,7 +61,13 @@ def test_activations_from_one_traced_microbatch():
     assert small > 0 and large == pytest.approx(2 * small, rel=0.1)
     example = torch.randn(4, 8, dtype=torch.float64)
     rows = plan_table(model, torch.optim.AdamW, world_size=2, budget=1e12, example_input=example)
-    assert all(r.activations == small for r in rows)
+    # each strategy without checkpointing carries the microbatch's activations; its +ckpt twin fewer
+    plain = [r for r in rows if not r.options]
+    assert [r.strategy for r in plain] == ["ddp", "zero1", "zero2", "zero3", "tp"]
+    assert all(r.activations == small for r in plain)
+    checkpointed = [r for r in rows if r.options]
+    assert [r.label for r in checkpointed] == ["ddp+ckpt", "zero1+ckpt", "zero2+ckpt", "zero3+ckpt"]
+    assert all(0 < r.activations < small for r in checkpointed)
 
 
 def test_one_rank_plans_single():
@@ -98,6 +104,8 @@ def test_kiln_plan_reads_a_run_file():
     assert result.returncode == 0, result.stderr
     assert "MLP on 2 rank(s), optimizer Adam" in result.stdout  # runtime_ngpus: 2 in the file
     assert sum(line.startswith("* ") for line in result.stdout.splitlines()) == 1
+    # one microbatch of the run file's dataset measured: activations are no longer 0 B
+    assert "activations of one microbatch per rank, one forward and backward on fake tensors" in result.stdout
     bad = subprocess.run(
         [*cmd[:-2], "--optimzer.args.lr", "0.1"], env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120
     )

@@ -45,9 +45,9 @@ SEAM_VALUES = [
     ("compile", True),
     ("compile", {"mode": "max-autotune"}),
     ("activation_checkpointing", "full"),
-    ("activation_checkpointing", lambda name, module: True),
-    ("float8", True),
+    ("activation_checkpointing", lambda module: True),
 ]
+# compile and activation checkpointing: tests/test_levers.py; float8: below and tests/test_float8.py
 
 
 def _setup(strategy, *, precision="fp32", world_size=1, optimizer=True):
@@ -120,21 +120,39 @@ def test_seams_with_none_do_nothing():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("option, value", SEAM_VALUES)
-def test_seams_with_a_value_say_they_are_not_available_yet(option, value):
+def test_float8_on_the_cpu_is_refused_in_one_line_and_converts_when_emulated():
+    pytest.importorskip("torchao.float8")
+    for strategy in (SingleDevice(), kiln.parallel.Auto(memory_budget=1e12)):  # Auto hands it on
+        strategy.parallelize_options = ParallelizeOptions(float8=True)
+        with pytest.raises(ValueError, match=r"^float8 training needs an NVIDIA GPU .* this run is on cpu") as info:
+            _setup(strategy)
+        assert "\n" not in str(info.value)
     strategy = SingleDevice()
-    strategy.parallelize_options = ParallelizeOptions(**{option: value})
-    with pytest.raises(ValueError, match=rf"^{option}=.* is not available yet: .* leave {option}=None$") as info:
-        _setup(strategy)
-    assert "\n" not in str(info.value)
+    strategy.parallelize_options = ParallelizeOptions(float8={"emulate": True})
+    model = make_model()
+    keys = list(model.state_dict())
+    strategy.setup(model, torch.optim.AdamW(model.parameters()), Context(rank=0, world_size=1), get_precision("fp32"))
+    converted = [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    eligible = [
+        n
+        for n, m in make_model().named_modules()
+        if isinstance(m, nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+    ]
+    assert converted == eligible and list(model.state_dict()) == keys
+    with pytest.raises(ValueError, match=r"^float8 recipe='x': expected one of"):
+        ParallelizeOptions(float8={"recipe": "x"})
 
 
 @pytest.mark.parametrize("option, value", SEAM_VALUES)
-def test_auto_hands_the_options_to_the_strategy_it_picks(option, value):
-    strategy = kiln.parallel.Auto(memory_budget=1e12)
-    strategy.parallelize_options = ParallelizeOptions(**{option: value})
-    with pytest.raises(ValueError, match=rf"^{option}=.* is not available yet"):
-        _setup(strategy)
+def test_the_filled_seams_apply_in_place_and_keep_every_name(option, value):
+    from kiln.parallel.levers import applied_levers
+
+    for strategy in (SingleDevice(), kiln.parallel.Auto(memory_budget=1e12)):  # Auto hands them on
+        strategy.parallelize_options = ParallelizeOptions(**{option: value})
+        model, (out, opt) = _setup(strategy)
+        assert out is model and list(model.state_dict()) == list(make_model().state_dict())
+        assert [applied_levers(block) for block in model.blocks] == [[option]] * len(model.blocks)
+        assert opt.param_groups[0]["params"][0] is next(model.parameters())
 
 
 def test_an_option_the_strategy_does_not_apply_is_refused():
@@ -158,9 +176,12 @@ def test_an_option_the_strategy_does_not_apply_is_refused():
     [
         (
             {"activation_checkpointing": "fulll"},
-            r"activation_checkpointing='fulll' must be 'full', 'selective', a callable",
+            r"activation_checkpointing='fulll' must be 'full', 'selective' \(keeps matmul outputs\), "
+            r"'selective:N' \(every Nth block\), a callable",
         ),
+        ({"activation_checkpointing": "selective:0"}, r"activation_checkpointing='selective:0' must be"),
         ({"compile": "yes"}, r"compile='yes' must be True, a dict of settings, or None"),
+        ({"compile": {"mdoe": "max-autotune"}}, r"compile=\{'mdoe': 'max-autotune'\} has 'mdoe', which torch"),
         ({"float8": 1}, r"float8=1 must be True, a dict of settings, or None"),
     ],
 )

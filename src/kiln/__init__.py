@@ -58,6 +58,7 @@ _SUBMODULES = {
     "callbacks",
     "loggers",
     "metrics",
+    "models",
     "hooks",
     "trainer",
     "checkpoint",

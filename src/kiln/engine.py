@@ -23,6 +23,7 @@ reductions and Colossal-AI's ``Trainer(engine=...)`` all go through it; the four
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
+from kiln.optim.implementation import apply_default_implementation
+from kiln.parallel.parallelize import ParallelizeOptions
 from kiln.parallel.strategy import Strategy, get_strategy
 from kiln.precision import Precision, get_precision, precision_from_config
 
@@ -64,6 +67,12 @@ class Engine:
         strategy: a strategy name or object (``"auto"``: single for one rank, ddp for more).
         gradient_accumulation: number of ``step()`` calls per optimizer step.
         clip_grad_norm: clip the global gradient norm to this value before each optimizer step.
+        compile: ``True`` or a dict of ``torch.compile`` arguments: the strategy compiles each
+            block's forward (see :class:`kiln.parallel.ParallelizeOptions`); None leaves the
+            strategy's ``parallelize_options`` as they are.
+        activation_checkpointing: ``"full"``, ``"selective"``, ``"selective:N"`` or
+            ``fn(module) -> bool``: the blocks whose activations the backward recomputes.
+        float8: ``True`` or a dict of torchao float8 settings (:mod:`kiln.parallel.float8`).
         ctx: the :class:`kiln.Context`; defaults to ``kiln.context()``.
 
     Example::
@@ -82,16 +91,31 @@ class Engine:
         strategy: str | Strategy | None = "auto",
         gradient_accumulation: int = 1,
         clip_grad_norm: float | None = None,
+        compile: bool | Mapping[str, Any] | None = None,
+        activation_checkpointing: str | Callable[[nn.Module], bool] | None = None,
+        float8: bool | Mapping[str, Any] | None = None,
         ctx: Context | None = None,
     ) -> None:
         _check_accumulation(gradient_accumulation)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a positive number (or None for no clipping)")
+        # checked first
+        levers = ParallelizeOptions(compile=compile, activation_checkpointing=activation_checkpointing, float8=float8)
         self.ctx = ctx or context()
         self.precision = get_precision(precision)
         self.strategy = get_strategy(strategy, self.ctx)
+        if levers != ParallelizeOptions():  # the strategy applies them in its setup, which runs next
+            own = self.strategy.parallelize_options  # what is not given here stays the strategy's
+            self.strategy.parallelize_options = dataclasses.replace(
+                own,
+                compile=own.compile if levers.compile is None else levers.compile,
+                activation_checkpointing=levers.activation_checkpointing or own.activation_checkpointing,
+                float8=own.float8 if levers.float8 is None else levers.float8,
+            )
         self.strategy.configure(gradient_accumulation=gradient_accumulation, clip_grad_norm=clip_grad_norm)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
+        # fused/foreach steps where the user chose neither: after setup, which placed and sharded the parameters
+        apply_default_implementation(self.optimizer)
         # which batch this rank reads: tensor and pipeline groups share one
         self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion
@@ -446,7 +470,8 @@ def initialize(
     """Wrap model, optimizer and criterion in an :class:`Engine` as the config asks.
 
     Reads ``precision`` (or Colossal-AI's ``fp16=dict(mode=kiln.AMP_TYPE.TORCH)``),
-    ``gradient_accumulation``, ``clip_grad_norm`` and ``strategy`` from ``config``
+    ``gradient_accumulation``, ``clip_grad_norm``, ``strategy``, ``compile`` and
+    ``activation_checkpointing`` from ``config``
     (default: ``kiln.context().config``). Dataloaders get a distributed sampler when the world is
     larger than one; the LR scheduler steps once per accumulation cycle.
 
@@ -465,6 +490,9 @@ def initialize(
         strategy=get_strategy(name, ctx, **options),
         gradient_accumulation=cfg.get("gradient_accumulation", 1),
         clip_grad_norm=cfg.get("clip_grad_norm"),
+        compile=cfg.get("compile"),
+        activation_checkpointing=cfg.get("activation_checkpointing"),
+        float8=cfg.get("float8"),
         ctx=ctx,
     )
     seed = cfg.get("seed", 1024)

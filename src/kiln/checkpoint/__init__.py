@@ -12,6 +12,7 @@ The layout on disk is in :mod:`kiln.checkpoint.layout`, the save types in
 
 from kiln.checkpoint.checkpointing import load_checkpoint, save_checkpoint, verify_checkpoint
 from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.export import export_hf
 from kiln.checkpoint.offline import export_safetensors, inspect_checkpoint, merge_checkpoint
 from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from kiln.checkpoint.saver import CheckpointSaver
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaver",
     "PREEMPTED_EXIT_CODE",
+    "export_hf",
     "export_safetensors",
     "inspect_checkpoint",
     "load_checkpoint",

@@ -1,7 +1,8 @@
-"""`kiln checkpoint merge SRC DST[.pt] | inspect PATH | verify PATH | export PATH --safetensors OUT`.
+"""`kiln checkpoint merge SRC DST[.pt] | inspect PATH | verify PATH | export PATH --safetensors OUT | --hf OUT`.
 
 Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
-checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback.
+checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback. ``export --hf`` exits 2
+on any input it cannot export (a bad checkpoint, no config, an existing OUT), as a bad config does.
 """
 
 from __future__ import annotations
@@ -44,9 +45,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("path")
     verify.set_defaults(func=_verify)
 
-    export = sub.add_parser("export", help="write the model weights to a safetensors file")
+    export = sub.add_parser(
+        "export",
+        help="write the model weights to a safetensors file, or a Hugging Face folder",
+        description="--safetensors OUT: the model weights as one .safetensors file. --hf OUT: a new folder "
+        "(config.json + model.safetensors) that transformers' AutoModelFor...from_pretrained(OUT) loads, "
+        "from a checkpoint of a kiln.models.HuggingFaceModel of any save type and world size.",
+    )
     export.add_argument("path")
-    export.add_argument("--safetensors", required=True, metavar="OUT", help="output .safetensors file (or folder)")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--safetensors", metavar="OUT", help="output .safetensors file (or folder)")
+    target.add_argument("--hf", metavar="OUT", help="output folder for transformers' from_pretrained (must not exist)")
+    export.add_argument(
+        "--config",
+        metavar="CONFIG",
+        default=None,
+        help="with --hf: the model's config.json (or its folder), for a checkpoint that holds none",
+    )
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating-point weights")
     export.set_defaults(func=_export)
 
@@ -99,9 +114,31 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
 def _export(args: argparse.Namespace) -> int:
+    if args.hf is not None:
+        return _export_hf(args)
+    if args.config is not None:
+        print("kiln checkpoint export: --config goes with --hf OUT", file=sys.stderr)
+        return 2
+    return _export_safetensors(args)
+
+
+@_guarded
+def _export_safetensors(args: argparse.Namespace) -> int:
     from kiln.checkpoint import export_safetensors
 
     print(f"exported model weights of {args.path} -> {export_safetensors(args.path, args.safetensors, args.dtype)}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from kiln.checkpoint import CheckpointError
+    from kiln.checkpoint.export import export_hf
+
+    try:
+        out = export_hf(args.path, args.hf, config=args.config, dtype=args.dtype)
+    except (CheckpointError, ValueError, TypeError) as exc:
+        print(f"kiln checkpoint export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported {args.path} -> {out} (transformers: AutoModelFor...from_pretrained({str(out)!r}))")
     return 0

@@ -5,9 +5,13 @@
 
     kiln plan -f run.yaml --world-size 4 [--dotted.key value ...]
 
-The model is built on the CPU and never trained; ``--input-shape`` adds one traced forward to
-measure activations. With ``-f`` the run file is read and checked as ``kiln train`` reads it, and
-its model and optimizer are planned; :func:`kiln.parallel.plan.plan_table` does the work.
+The model is built on the CPU and never trained. Activations are measured with one forward and
+backward on fake tensors (no memory, no compute): of a ``--input-shape`` input, or with ``-f`` of
+one microbatch (``micro_batch_size`` samples) of the run file's training dataset. With
+``--activation-checkpointing`` they are measured with it; without, the table also shows each
+strategy with every block checkpointed (``+ckpt``), which ``auto`` picks when nothing else fits.
+With ``-f`` the run file is read and checked as ``kiln train`` reads it, and its model and
+optimizer are planned; :func:`kiln.parallel.plan.plan_table` does the work.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--input-dtype", dest="input_dtype", default="float32", help="dtype of that input (float32, long, ...)"
     )
+    p.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        default=None,
+        help="the run's checkpointing ('full', 'selective', 'selective:N'): activations are measured with it",
+    )
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -85,7 +95,7 @@ def load_object(path: str) -> Any:
     return obj
 
 
-def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> tuple[Any, str, int]:
+def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> tuple[Any, str, int, Any]:
     # the config CLI's own reading and model building, so the plan sees the model `kiln train` would
     from kiln.config.args import load_trainer_args
     from kiln.config.trainer_builder import build_model
@@ -98,13 +108,36 @@ def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> t
     trainer_args = load_trainer_args(path, overrides, world_size=world_size)
     optimizer = trainer_args.optimizer.type
     assert optimizer is not None  # TrainerArgs requires optimizer.type
-    return build_model(trainer_args), optimizer, world_size
+    model = build_model(trainer_args)
+    return model, optimizer, world_size, _example_microbatch(trainer_args, model)
+
+
+def _example_microbatch(trainer_args: Any, model: Any) -> Any:
+    """One microbatch of the run's training data as the model's forward takes it (a kiln.Model
+    gets the batch; a module trained with a criterion the batch's inputs); None without a dataset."""
+    from torch.utils.data import default_collate
+
+    from kiln.config.build import build_value, import_type
+    from kiln.core.model import Model
+
+    data = trainer_args.dataset
+    if data is None or data.type is None:
+        return None
+    dataset = import_type(data.type, "dataset.type")(**build_value(data.train_args, "dataset.train_args"))
+    loader_args = build_value(trainer_args.dataloader.train_args, "dataloader.train_args")
+    collate = loader_args.get("collate_fn") or default_collate
+    if isinstance(collate, str):
+        collate = import_type(collate, "dataloader.train_args.collate_fn")
+    batch = collate([dataset[i] for i in range(min(trainer_args.micro_batch_size, len(dataset)))])
+    if isinstance(model, Model):
+        return batch
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kiln.parallel.plan import format_table, plan_table
+    from kiln.parallel.plan import activation_summary, format_table, plan_table
 
     extra = list(getattr(args, "extra", []) or [])
     if (args.file is None) == (args.model is None):
@@ -120,22 +153,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln plan: --world-size={args.world_size} must be >= 1", file=sys.stderr)
         return 2
     try:
+        example = None
         if args.file is not None:
-            model, optimizer, world = _from_run_file(args.file, extra, args.world_size)
+            model, optimizer, world, example = _from_run_file(args.file, extra, args.world_size)
         else:
             model, optimizer, world = load_object(args.model)(), "torch.optim.AdamW", args.world_size or 1
         optimizer = load_object(args.optimizer or optimizer)
-        example = None
         if args.input_shape:
             shape = tuple(int(s) for s in args.input_shape.replace("x", ",").split(",") if s)
             dtype = getattr(torch, args.input_dtype)
             example = (
                 torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, dtype=dtype)
             )
+        ac = args.activation_checkpointing
+        if ac is not None:
+            from kiln.parallel.activation_memory import checkpointed_modules
+
+            checkpointed_modules(model, ac)  # a mode that names nothing fails here, with the fix
+        rows = plan_table(model, optimizer, world, args.budget, example, activation_checkpointing=ac)
     except (ValueError, AttributeError, TypeError) as exc:  # ConfigError is a ValueError
         print(f"kiln plan: error: {exc}", file=sys.stderr)
         return 2
-    rows = plan_table(model, optimizer, world, args.budget, example)
     print(f"{type(model).__name__} on {world} rank(s), optimizer {getattr(optimizer, '__name__', optimizer)}")
     print(format_table(rows))
+    summary = activation_summary(rows)
+    if summary:
+        print(summary)
     return 0

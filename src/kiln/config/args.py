@@ -66,7 +66,7 @@ class TrainerArgs:
         instance_name: the run's name (used by loggers and checkpoints).
         run_mode: 'run' trains; 'compile' builds everything (model, strategy, data), prints a summary and stops.
         tracing_from_weights: a state-dict file loaded into the model before training starts.
-        model: the model (a kiln.Model, a plain module with a criterion, or an end-to-end module returning its loss).
+        model: the model (a kiln.Model; a transformers model, which becomes a kiln.models.HuggingFaceModel; a plain module with a criterion; or an end-to-end module returning its loss).
         criterion: the loss for a plain model whose forward takes inputs (kiln; null for end-to-end models).
         optimizer: the optimizer, gradient clipping and loss/gradient reduction.
         dataset: the training and validation datasets.
@@ -77,6 +77,9 @@ class TrainerArgs:
         log: the loggers.
         hook: a hook class (type, args) or a map of hook functions by hook point.
         precision: fp32, fp16, bf16, amp_fp16, amp_bf16, none, or per tensor type {param, buffer, input}.
+        compile: true, or a mapping of torch.compile arguments ({mode: max-autotune}): each block of the model is compiled.
+        activation_checkpointing: full, selective (keeps matmul outputs), selective:N (every Nth block), or the fully qualified name of fn(module) -> bool.
+        float8: true, or a mapping of float8 settings ({recipe: rowwise, emulate: false, skip: [lm_head]}): FP8 linears (torchao).
         micro_batch_size: samples per rank in one forward/backward.
         global_batch_size: samples per optimizer step over all ranks (= micro * data-parallel size * accumulation).
         grad_accumulation_steps: micro-batches per optimizer step on each rank.
@@ -118,6 +121,9 @@ class TrainerArgs:
     hook: HookConfig | HookMapConfig | None = None
 
     precision: str | dict[str, str] | None = None
+    compile: bool | dict[str, Any] = False
+    activation_checkpointing: str | None = None
+    float8: bool | dict[str, Any] | None = None
 
     micro_batch_size: int = 1
     global_batch_size: int | None = None
@@ -148,6 +154,7 @@ class TrainerArgs:
         ):
             check_count(self, name)
         self._check_precision()
+        self._check_levers()
         if self.max_epochs is None and self.max_train_steps is None:
             raise ConfigError(
                 "max_epochs: is not set (nor max_train_steps), expected at least one of them", path="max_epochs"
@@ -174,6 +181,26 @@ class TrainerArgs:
                 ),
                 path="tracing_from_weights",
             )
+
+    def _check_levers(self) -> None:
+        # ParallelizeOptions holds the rules; imported here, not at the top, as it imports torch.
+        from kiln.parallel.levers import checkpoint_every
+        from kiln.parallel.parallelize import ParallelizeOptions
+
+        ac = self.activation_checkpointing
+        if ac is not None and checkpoint_every(ac) is None and "." not in ac:
+            raise ConfigError(
+                format_error(
+                    "activation_checkpointing",
+                    ac,
+                    "full, selective, selective:N (N >= 1) or the fully qualified name of fn(module) -> bool",
+                ),
+                path="activation_checkpointing",
+            )
+        try:
+            ParallelizeOptions(compile=self.compile)
+        except ValueError as e:
+            raise ConfigError(f"compile: {e}", path="compile") from None
 
     def _check_precision(self) -> None:
         spec = self.precision

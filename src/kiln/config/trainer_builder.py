@@ -17,6 +17,7 @@ checkpoint.every_n_train_steps / every_n_epochs         save_interval (validatin
 checkpoint.keep_last_n_checkpoints / save_type          save_num_checkpoints_to_keep / save_type
 checkpoint.save_best / resume_from                      save_best="eval/loss" / load_path
 compute_config (+ pas_policy)                           strategy;  precision: precision
+compile / activation_checkpointing                      compile / activation_checkpointing (a name: the function)
 lr_scheduler.interval                                   step_schedulers_every_batch
 log / hook / enable_progress_bar / seed / instance_name  loggers / callbacks / progress_bar / seed / run_name
 ======================================================  ==============================================
@@ -164,6 +165,11 @@ def _model(args: TrainerArgs) -> tuple[torch.nn.Module, Any, bool]:
     criterion = None
     if args.criterion is not None:
         criterion = _make(args.criterion.type, "criterion", **build_value(args.criterion.args, "criterion.args"))
+    if criterion is None and not isinstance(model, Model):
+        from kiln.models.huggingface import HuggingFaceModel, is_huggingface_model
+
+        if is_huggingface_model(model):  # model.type: transformers.LlamaForCausalLM, say
+            model = HuggingFaceModel(model)
     end_to_end = criterion is None and not isinstance(model, Model)
     if end_to_end:
         model = as_end_to_end(model)
@@ -233,6 +239,15 @@ def _strategy(args: TrainerArgs, ctx: Any) -> Any:
     return get_strategy(name, ctx, **options) if options else name
 
 
+def _activation_checkpointing(spec: str | None) -> Any:
+    """A mode as it is; any other string names the function that chooses the modules."""
+    from kiln.parallel.levers import checkpoint_every
+
+    if spec is None or checkpoint_every(spec) is not None:
+        return spec
+    return import_type(spec, "activation_checkpointing")
+
+
 def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     """Build every component of ``args`` and the :class:`kiln.Trainer` that trains them.
 
@@ -287,6 +302,9 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
         strategy=strategy,
         grad_accum=args.grad_accumulation_steps or 1,
         clip_grad_norm=args.optimizer.clip_gnorm or None,
+        compile=args.compile,
+        activation_checkpointing=_activation_checkpointing(args.activation_checkpointing),
+        float8=args.float8,
         callbacks=[*extra, *callbacks],
         loggers=loggers,
         eval_interval=schedules.eval_due,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from kiln.parallel.plan import PlanRow, format_table, plan_table
+from kiln.parallel.plan import PlanRow, activation_summary, format_table, plan_table
 from kiln.parallel.strategy import Strategy, get_strategy
 
 if TYPE_CHECKING:
@@ -22,10 +23,16 @@ class Auto(Strategy):
     """Picks ``ddp``, ``zero1``, ``zero2`` or ``zero3`` (in that order of communication) by the
     memory estimate of :func:`kiln.parallel.plan.plan_table`, then behaves exactly as the pick.
 
+    With ``example_input`` the estimate counts activations, and when no strategy fits without
+    activation checkpointing (activations dominate) it picks one with every block checkpointed:
+    the chosen strategy then runs with ``activation_checkpointing="full"``, unless the user chose
+    a mode already (then that mode is measured and kept).
+
     Args:
         memory_budget: bytes one rank may use (default: ``$KILN_MEMORY_BUDGET_BYTES``, else the
             device's free memory).
-        example_input: one microbatch, to measure activation memory with a traced forward.
+        example_input: one microbatch, to measure activation memory on fake tensors (see
+            :func:`kiln.parallel.activation_memory.estimate_activations`).
 
     After ``setup``, ``chosen`` is the strategy in use, ``reason`` says why and ``table`` holds
     every candidate (what ``kiln plan`` prints).
@@ -48,16 +55,32 @@ class Auto(Strategy):
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-        self.table = plan_table(model, optimizer, ctx.world_size, self.memory_budget, self.example_input)
+        options = self.parallelize_options
+        self.table = plan_table(
+            model,
+            optimizer,
+            ctx.world_size,
+            self.memory_budget,
+            self.example_input,
+            activation_checkpointing=options.activation_checkpointing,
+        )
         row = next(r for r in self.table if r.chosen)
         self.chosen = get_strategy(row.strategy, ctx)
         self.chosen.find_unused_parameters = self.find_unused_parameters
-        self.chosen.parallelize_options = self.parallelize_options
-        self.reason = f"{row.strategy}: {row.note}"
+        if options.activation_checkpointing is None and row.options.get("activation_checkpointing"):
+            # the plan chose checkpointing: activations would not fit otherwise
+            options = dataclasses.replace(options, activation_checkpointing=row.options["activation_checkpointing"])
+        self.chosen.parallelize_options = options
+        self.reason = f"{row.label}: {row.note}"
         if ctx.is_main:
             from kiln.launch.logging import get_dist_logger
 
-            get_dist_logger().info(f"strategy='auto' chose {self.reason}\n{format_table(self.table)}", ranks=[0])
+            summary = activation_summary(self.table)
+            get_dist_logger().info(
+                f"strategy='auto' chose {self.reason}\n{format_table(self.table)}"
+                + (f"\n{summary}" if summary else ""),
+                ranks=[0],
+            )
         return self.chosen.setup(model, optimizer, ctx, precision)
 
     # -- everything else is the chosen strategy's -------------------------------------------------

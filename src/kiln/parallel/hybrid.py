@@ -23,7 +23,7 @@ from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
 from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error, validate_split_points
-from kiln.parallel.tensor import matching_modules, resolve_tp_plan
+from kiln.parallel.tensor import check_tp_size, matching_modules, resolve_tp_plan
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -38,7 +38,8 @@ class Hybrid(PipelineSteps):
     Args:
         dp_replicate: data-parallel replica groups (HSDP's outer dimension).
         dp_shard: ranks that shard parameters within a replica (``-1``: what the others leave).
-        tp: tensor-parallel ranks; needs ``tp_plan`` (or the model's ``tp_plan`` attribute).
+        tp: tensor-parallel ranks; with ``tp_plan``, or the model's own plan (a Hugging Face
+            model's ``base_model_tp_plan``, or a ``tp_plan`` attribute).
         pp: pipeline stages; needs ``split_points``.
         tp_plan: see :class:`kiln.parallel.TensorParallel`.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
@@ -89,6 +90,7 @@ class Hybrid(PipelineSteps):
         # Every user error is raised here, before the mesh exists (no collective has run).
         dims = self.dims.resolve(ctx.world_size)
         tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
+        check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
             error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)

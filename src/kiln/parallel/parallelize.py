@@ -9,12 +9,13 @@ differ; the defaults are the functions below):
 ============================  ===========================================================================
 ``placement``                 move to ``ctx.device``, cast to the precision's storage dtypes (every
                               strategy but deepspeed, whose ``deepspeed.initialize`` does both)
-``float8``                    seam: float8 training of the Linear layers (torchao); not available yet
+``float8``                    float8 training of the Linear layers (torchao; :mod:`kiln.parallel.float8`)
 (pipeline cut)                ``pp``/``hybrid`` cut the model into stages here; the steps below run on
                               each stage (on the whole model without a pipeline)
 ``tensor_parallel``           split Linear/Embedding weights over the ``tp`` mesh (``tp``, ``hybrid``)
-``activation_checkpointing``  seam: recompute each block's activations in the backward; not available yet
-``compile``                   seam: ``torch.compile`` each block; not available yet
+``activation_checkpointing``  recompute the activations of the blocks (or those a callable chose) in the
+                              backward: ``"full"``, ``"selective"`` (op-level), ``"selective:N"``
+``compile``                   ``torch.compile`` each block's forward (the whole module when it has none)
 ``data_parallel``             ``fully_shard`` each block, then the root, over the data-parallel mesh
                               (``zero2``, ``zero3``/``fsdp``, ``hybrid``); ``ddp``/``zero1`` override it
                               to wrap the model in ``DistributedDataParallel``
@@ -33,10 +34,16 @@ Why the order matters:
   input/output redistributions around each layer, which the recomputation must repeat and the
   compiled graph must contain (compiling first would trace the unsharded forward).
 * Activation checkpointing before compile: compile then traces the checkpointed block, so the
-  recomputation is inside the compiled graph (torchtitan: checkpointing, then compile).
+  recomputation is inside the compiled graph (torchtitan: checkpointing, then compile). The one
+  exception, a torch bug with whole-block checkpointing over tensor-parallel weights, is in
+  :func:`kiln.parallel.levers.compile_module`.
 * Compile, block by block, before data parallelism: the compiled units are the blocks FSDP wraps
   next, so FSDP's per-block hooks (all-gather before a block, reduce-scatter after it) wrap each
   compiled block from outside instead of being traced into it.
+* Neither checkpointing nor compile renames anything: both change a block's ``forward`` in place
+  (:mod:`kiln.parallel.levers`), where torch's wrappers would add ``_checkpoint_wrapped_module.``
+  and ``_orig_mod.`` to every name. The optimizer's re-pointing below goes by name, and a
+  checkpoint saved with the levers on loads with them off and back.
 * Data parallelism last: ``fully_shard`` takes ownership of whatever parameters a module holds when
   it is applied (tensor-parallel DTensors become 2-D shards), and ``DistributedDataParallel`` must be
   the outermost wrapper, hooking the final parameters. Until then every step sees the user's names.
@@ -57,6 +64,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from kiln.parallel.levers import (
+    check_compile_settings,
+    checkpoint_every,
+    checkpoint_module,
+    checkpoint_targets,
+    compile_module,
+    outermost,
+)
 from kiln.parallel.mesh import ParallelDims, dp_mesh, tp_mesh
 
 if TYPE_CHECKING:
@@ -88,7 +103,6 @@ WHOLE_MODEL_STEPS = STEPS[:2]
 STAGE_STEPS = STEPS[2:]
 # The steps a user option turns on; each option has the name of its step. With the option None they do nothing.
 SEAMS = ("float8", "activation_checkpointing", "compile")
-_AC_MODES = ("full", "selective")
 
 WrapSpec = str | type | Iterable[str | type] | None
 
@@ -165,19 +179,35 @@ class ParallelizeOptions:
     """The user's choices for the seam steps; ``None`` (or ``False``) leaves a step out.
 
     Args:
-        compile: ``True`` or a dict of ``torch.compile`` arguments, applied to each block.
-        activation_checkpointing: ``"full"``, ``"selective"`` or a callable choosing the blocks.
-        float8: ``True`` or a dict of torchao float8 settings.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments (``{"mode":
+            "max-autotune", "fullgraph": True}``), applied to each block's forward; a model
+            without blocks is compiled whole.
+        activation_checkpointing: which activations to recompute in the backward instead of
+            keeping them (torchtitan's modes):
 
-    None of them is available yet: a value is refused, naming the option, when the step runs.
+            * ``"full"``: every block (the least memory, one more forward's compute);
+            * ``"selective"`` (also ``"selective:op"``): every block, keeping the outputs of the
+              matrix products and attention (:data:`kiln.parallel.levers.SAVED_OPS`) and
+              recomputing the cheap ops around them (torch's selective activation checkpointing);
+            * ``"selective:N"``: every Nth block in full (``"selective:2"``: every other block,
+              the 2nd, 4th, ...; ``"selective:1"`` is ``"full"``);
+            * a callable ``fn(module) -> bool``: asked of every submodule of the model (but
+              ``ModuleList``/``ModuleDict`` containers) before any step changed it; the outermost
+              modules it accepts are checkpointed in full.
+        float8: ``True`` or a dict of torchao float8 settings (``recipe``, ``emulate``, ``skip``;
+            see :mod:`kiln.parallel.float8`): FP8 matmuls in the eligible Linear layers, on GPUs
+            with FP8 tensor cores (refused elsewhere, unless emulated).
+
+    Both keep every parameter name: a checkpoint saved with them loads without them and back
+    (see :mod:`kiln.parallel.levers`).
 
     Example::
 
-        strategy.parallelize_options = ParallelizeOptions()   # what every strategy starts with
+        strategy.parallelize_options = ParallelizeOptions(compile=True, activation_checkpointing="full")
     """
 
     compile: bool | Mapping[str, Any] | None = None
-    activation_checkpointing: str | Callable[..., bool] | None = None
+    activation_checkpointing: str | Callable[[nn.Module], bool] | None = None
     float8: bool | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -187,11 +217,18 @@ class ParallelizeOptions:
         for name in ("compile", "float8"):
             value = getattr(self, name)
             if value is not None and value is not True and not isinstance(value, Mapping):
-                raise ValueError(f"{name}={value!r} must be True, a dict of settings, or None")
+                raise ValueError(f"{name}={value!r} must be True, a dict of settings, or None/False (off)")
+        if isinstance(self.compile, Mapping):
+            check_compile_settings(self.compile)
+        if self.float8 is not None:
+            from kiln.parallel.float8 import float8_settings
+
+            float8_settings(self.float8)  # its rules, checked before any step runs
         ac = self.activation_checkpointing
-        if ac is not None and ac not in _AC_MODES and not callable(ac):
+        if ac is not None and not callable(ac) and checkpoint_every(ac) is None:
             raise ValueError(
-                f"activation_checkpointing={ac!r} must be 'full', 'selective', a callable choosing the blocks, or None"
+                f"activation_checkpointing={ac!r} must be 'full', 'selective' (keeps matmul outputs), "
+                "'selective:N' (every Nth block), a callable fn(module) -> bool choosing the modules, or None"
             )
 
 
@@ -209,6 +246,7 @@ class ParallelizePlan:
         tp_mesh / tp_plan: tensor parallelism (``tp_mesh`` None: off); ``tp_plan`` is resolved.
         dp_mesh: the mesh FSDP shards over (None: no sharding).
         reshard_after_forward / cpu_offload: FSDP's settings.
+        checkpointed: the modules activation checkpointing wraps (None: not chosen yet).
     """
 
     ctx: Context
@@ -222,6 +260,9 @@ class ParallelizePlan:
     dp_mesh: Any = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # Filled by parallelize() on the whole model, before any step: a pipeline stage is a traced
+    # copy whose modules are no longer the user's classes, so a callable must choose before the cut.
+    checkpointed: list[str] | None = None
 
     @classmethod
     def on_mesh(cls, dims: ParallelDims, *, ctx: Context, **fields: Any) -> ParallelizePlan:
@@ -258,6 +299,9 @@ def parallelize(
                 f"{option}={value!r} is not applied under strategy={strategy.name!r}: its steps are "
                 f"{', '.join(strategy.steps) or 'none'}; leave {option}=None with this strategy"
             )
+    ac = plan.options.activation_checkpointing
+    if ac is not None and plan.checkpointed is None:
+        plan.checkpointed = checkpoint_targets(model, ac, plan.blocks)
     before = dict(model.named_parameters(remove_duplicate=False)) if optimizer is not None else {}
     for step in STEPS:
         if step in strategy.steps and step in only:
@@ -281,18 +325,14 @@ def apply_placement(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     return model
 
 
-def _not_available(option: str, value: Any) -> ValueError:
-    return ValueError(
-        f"{option}={value!r} is not available yet: kiln has the {option} step of its parallelize "
-        f"pipeline but does not fill it in this version; leave {option}=None"
-    )
-
-
 def apply_float8(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """Seam: float8 Linear layers (torchao). Does nothing with ``float8=None``."""
+    """torchao's float8 Linear layers in place of the eligible ones (see :mod:`kiln.parallel.float8`);
+    refused with one line where FP8 cannot run. Does nothing with ``float8=None``."""
     if plan.options.float8 is None:
         return model
-    raise _not_available("float8", plan.options.float8)
+    from kiln.parallel.float8 import convert_float8
+
+    return convert_float8(model, plan.options.float8, plan.ctx.device)
 
 
 def apply_tensor_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
@@ -306,18 +346,31 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """Seam: recompute the activations of ``plan.blocks`` in the backward. Does nothing with
+    """Recompute the activations of ``plan.checkpointed`` (those ``model`` holds) in the backward,
+    in place: names, and so checkpoints, stay those of the plain model. Does nothing with
     ``activation_checkpointing=None``."""
-    if plan.options.activation_checkpointing is None:
+    ac = plan.options.activation_checkpointing
+    if ac is None:
         return model
-    raise _not_available("activation_checkpointing", plan.options.activation_checkpointing)
+    names = plan.checkpointed if plan.checkpointed is not None else checkpoint_targets(model, ac, plan.blocks)
+    save_matmuls = checkpoint_every(ac) == 0
+    for name in names:
+        if _has_module(model, name):  # a pipeline stage holds some of them
+            checkpoint_module(model.get_submodule(name), save_matmuls=save_matmuls)
+    return model
 
 
 def apply_compile(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """Seam: ``torch.compile`` each of ``plan.blocks``. Does nothing with ``compile=None``."""
-    if plan.options.compile is None:
+    """``torch.compile`` the forward of each of ``plan.blocks`` that ``model`` holds (``model``'s own
+    when it holds none), in place: names, and so checkpoints, stay those of the plain model.
+    Does nothing with ``compile=None``."""
+    settings = plan.options.compile
+    if settings is None:
         return model
-    raise _not_available("compile", plan.options.compile)
+    names = [name for name in outermost(plan.blocks) if _has_module(model, name)] or [""]
+    for name in names:
+        compile_module(model.get_submodule(name), settings if isinstance(settings, Mapping) else {})
+    return model
 
 
 def fully_shard_blocks(model: nn.Module, plan: ParallelizePlan) -> nn.Module:

@@ -19,7 +19,12 @@ How the Engine's four calls map onto that one step (through :class:`PipelineStep
 =====================  ===========================================================================
 
 Code that drives a step itself (a Trainer whose model computes its own loss) calls
-``strategy.pipeline.train_step(args, kwargs, target, loss_fn)`` directly. In eval mode or under
+``strategy.pipeline.train_step(args, kwargs, target, loss_fn)`` directly. The pipeline of a
+:class:`kiln.Model` is a ``kiln.Model`` too (its ``loss``, ``eval_forward`` and metrics are the
+model's), and its target may be the whole batch (a dict): each microbatch's loss gets its rows.
+torch passes a pipeline's inputs to its first stage only, so a model whose batch holds what only
+the loss reads (a Hugging Face model's ``labels``) names the stages' part with a
+``pipeline_inputs(batch)`` method; the loss still gets the whole batch. In eval mode or under
 ``torch.no_grad()`` the model runs a forward-only schedule and returns the last stage's output on
 every rank. The traced shapes are fixed: every batch must have the shape of the first one
 (``drop_last=True``), and its size must divide into ``microbatches``.
@@ -28,13 +33,15 @@ every rank. The traced shapes are fixed: every batch must have the shape of the 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.core.batch import num_samples
+from kiln.core.model import Model
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
 from kiln.parallel.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, ParallelizePlan, parallelize
@@ -164,6 +171,65 @@ class PipelineModule(nn.Module):
         return self.runtime.eval_forward(args, kwargs)
 
 
+class ModelPipelineModule(PipelineModule, Model):
+    """The pipeline view of a :class:`kiln.Model`: a ``kiln.Model`` whose forward is the
+    pipeline's and whose loss, eval outputs and metrics are the user's model's, so the Trainer
+    treats it as the model it was given."""
+
+    def loss(self, outputs: Any, batch: Any) -> Any:
+        return cast(Model, self.runtime.model).loss(outputs, batch)
+
+    def eval_forward(self, batch: Any, outputs: Any | None = None) -> Any:
+        return cast(Model, self.runtime.model).eval_forward(batch, outputs if outputs is not None else self(batch))
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        return cast(Model, self.runtime.model).get_metrics(is_train)
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        cast(Model, self.runtime.model).update_metric(batch, outputs, metric)
+
+
+def _rows(data: Any, index: torch.Tensor, size: int) -> Any:
+    """The rows ``index`` of every tensor in ``data`` whose first dimension is ``size``."""
+    if isinstance(data, torch.Tensor):
+        return data[index.to(data.device)] if data.dim() and data.shape[0] == size else data
+    if isinstance(data, (tuple, list)):
+        return type(data)(_rows(item, index, size) for item in data)
+    if isinstance(data, Mapping):  # a dict, or e.g. transformers' BatchEncoding
+        return {k: _rows(v, index, size) for k, v in data.items()}
+    return data
+
+
+def _skip_connection(pipe: Any) -> str | None:
+    """Why the cut model cannot train: a floating-point value one stage sends to more than one later
+    stage (a skip connection), whose backward torch.distributed.pipelining does not run. None if none."""
+    import operator
+
+    graph = pipe.split_gm.graph
+    stages = {node: node.meta.get("stage_idx") for node in graph.nodes if node.op == "call_module"}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and node.args[0] in stages:
+            source, index = node.args[0], node.args[1]
+        elif node in stages:
+            source, index = node, None
+        else:
+            continue
+        consumers = sorted(stages[user] for user in node.users if user in stages)
+        if len(consumers) < 2:
+            continue
+        out = next(n for n in pipe.split_gm.get_submodule(source.target).graph.nodes if n.op == "output").args[0]
+        value = (out[index] if index is not None else out).meta.get("val")
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return (
+                f"stage {stages[source]} passes a {str(value.dtype).replace('torch.', '')} tensor of shape "
+                f"{list(value.shape)} to stages {consumers} (a skip connection, such as a transformer's position "
+                "embeddings computed once for every layer), and torch.distributed.pipelining cannot run the "
+                "backward of a skip connection; cut the model into 2 stages, or where each stage passes its "
+                "outputs to the next stage only"
+            )
+    return None
+
+
 class PipelineRuntime:
     """The stages and schedule of one rank, built on the first batch (or from ``example_input``).
 
@@ -200,8 +266,12 @@ class PipelineRuntime:
         self.stage_ids = list(range(pp_rank, self.num_stages, pp_size))  # "loop" placement of stages
         self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         self.last_rank = dist.get_global_rank(group, (self.num_stages - 1) % pp_size)
-        self.view = PipelineModule(model, self)
+        self.view = (ModelPipelineModule if isinstance(model, Model) else PipelineModule)(model, self)
         self._names = parameter_names(model)
+        # The dtype the step's loss is reported in, the same on every rank (the broadcast from the
+        # last stage needs it): float32, or float64 for a float64 model, whose loss is not rounded.
+        floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        self.loss_dtype = torch.float64 if floating and floating[0] == torch.float64 else torch.float32
         self._schedule: _PipelineSchedule | None = None
         self._step_loss: Callable[..., torch.Tensor] | None = None
         self._pending: tuple | None = None
@@ -215,6 +285,7 @@ class PipelineRuntime:
         from torch.distributed.pipelining import SplitPoint, pipeline
         from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
+        args = self._stage_inputs(args)
         mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
         pipe = pipeline(
             self.model,
@@ -228,6 +299,9 @@ class PipelineRuntime:
                 f"{self.num_stages}: each split point must be a module the forward calls, listed in "
                 "the order the forward calls them"
             )
+        skip = _skip_connection(pipe)
+        if skip is not None:
+            raise ValueError(f"Pipeline split_points={self.split_points!r}: {skip}")
         stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
         del pipe  # lets the other ranks' stage modules go
         for stage in stages:
@@ -249,7 +323,12 @@ class PipelineRuntime:
         assert self._step_loss is not None, "the pipeline schedule ran without a loss function"
         return self._step_loss(output, target)
 
+    def _stage_inputs(self, args: tuple) -> tuple:
+        select = getattr(self.model, "pipeline_inputs", None)
+        return (select(args[0]), *args[1:]) if select is not None and args else args
+
     def _run(self, args: tuple, kwargs: dict, target: Any, eval_only: bool) -> Any:
+        args = self._stage_inputs(args)
         if not self.built:
             self.build(args, kwargs)
         schedule = self._schedule
@@ -283,10 +362,19 @@ class PipelineRuntime:
         """
         recorded: list[torch.Tensor] = []
         factor = scale / self.microbatches
+        if target is not None and not isinstance(target, torch.Tensor):
+            # The schedule splits only a tensor target: it gets the row numbers, split like the
+            # inputs, and each microbatch's loss gets those rows of the real target (a dict batch).
+            size = num_samples(target)
+            whole, batch_loss = target, loss_fn
+            target = torch.arange(size, device=self.device)
+
+            def loss_fn(output: Any, rows: torch.Tensor) -> torch.Tensor:
+                return batch_loss(output, _rows(whole, rows, size))
 
         def step_loss(output: Any, target_mb: Any) -> torch.Tensor:
             loss = loss_fn(output, target_mb)
-            recorded.append(loss.detach().float())
+            recorded.append(loss.detach().to(self.loss_dtype))
             loss = loss * factor
             return scaler.scale(loss) if scaler is not None else loss
 
@@ -295,7 +383,7 @@ class PipelineRuntime:
             self._run(args, kwargs, target, eval_only=False)
         finally:
             self._step_loss = None
-        value = torch.stack(recorded).mean() if recorded else torch.zeros((), device=self.device)
+        value = torch.stack(recorded).mean() if recorded else torch.zeros((), device=self.device, dtype=self.loss_dtype)
         dist.broadcast(value, src=self.last_rank, group=self.group)  # the loss lives on the last stage
         return value
 
@@ -321,7 +409,7 @@ class PipelineRuntime:
                 "under Pipeline, call engine.criterion(engine(x), target): the schedule computes "
                 "criterion(output, target) microbatch by microbatch on the last stage"
             )
-        loss = torch.zeros((), device=self.device)
+        loss = torch.zeros((), device=self.device, dtype=self.loss_dtype)
         self._pending = (loss, args[0], args[1], criterion)
         return loss
 

@@ -13,10 +13,18 @@ zero3     P/W + 2B + G/W + B + kP/W + A  (B: the largest block)          zero2 +
 tp        split layers /W      (shown when the model has a ``tp_plan``)   per-layer activations
 ========  ===============================================================  =====================
 
-A is the activation memory of one microbatch, measured from the tensors autograd saves during
-one forward of ``example_input`` (0 when none is given). ``auto`` takes the first row, in the order
-above (least communication first), that fits the budget; never ``tp``, which needs every rank of a
-tensor-parallel group to read the same batch.
+A is the activation memory of one microbatch, per rank: the most bytes alive during one forward
+and backward of ``example_input``, measured on fake tensors (no memory, no compute; see
+:mod:`kiln.parallel.activation_memory`), less the gradients (0 when no example is given). Every
+data-parallel rank runs its own microbatch, so each row carries the whole of it.
+
+``auto`` takes the first row, in the order above (least communication first), that fits the
+budget; never ``tp``, which needs every rank of a tensor-parallel group to read the same batch.
+With an example and no ``activation_checkpointing`` chosen, each row also has a ``+ckpt`` twin:
+the same strategy with every block checkpointed (A measured that way; one more forward of compute).
+Those come after all the rows without it: sharding costs communication, which overlaps with
+compute, and checkpointing costs compute, which does not; so checkpointing is chosen when no
+sharding fits, which is when activations dominate, and the note says how much of the memory they are.
 """
 
 from __future__ import annotations
@@ -29,14 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.parallel.activation_memory import ActivationEstimate, estimate_activations
+
 __all__ = [
     "PlanRow",
+    "ActivationEstimate",
     "plan_table",
     "choose",
     "optimizer_state_factor",
     "activation_bytes",
     "memory_budget",
     "format_table",
+    "activation_summary",
 ]
 
 # Optimizer state tensors per parameter, by class name (Adam-family: two moments).
@@ -74,7 +86,13 @@ class PlanRow:
     chosen: bool = False
     eligible: bool = True  # auto may pick it (tp changes which batch each rank must read: never automatic)
     note: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # what the strategy needs besides its name
+    estimate: ActivationEstimate | None = None  # how ``activations`` was measured (None: no example)
+
+    @property
+    def label(self) -> str:
+        """The row's name in the table: the strategy, ``+ckpt`` with activation checkpointing."""
+        return self.strategy + ("+ckpt" if self.options.get("activation_checkpointing") else "")
 
 
 def optimizer_state_factor(optimizer: Any) -> int:
@@ -91,24 +109,10 @@ def optimizer_state_factor(optimizer: Any) -> int:
     return _STATE_FACTORS.get(name, 2)  # unknown: assume Adam-like rather than under-count
 
 
-def activation_bytes(model: nn.Module, example_input: Any) -> int:
-    """Bytes of the tensors autograd keeps for backward during one forward of ``example_input``."""
-    # Parameters (and views of them, like the transposed weight a Linear saves) are counted already.
-    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:  # a tensor saved twice is held once
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return t
-
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*args)
-    return total
+def activation_bytes(model: nn.Module, example_input: Any, activation_checkpointing: Any = None) -> int:
+    """Activation bytes of one microbatch: the peak of one forward and backward of ``example_input``
+    less the gradients, on fake tensors (:func:`kiln.parallel.activation_memory.estimate_activations`)."""
+    return estimate_activations(model, example_input, activation_checkpointing=activation_checkpointing).peak
 
 
 def memory_budget(
@@ -152,12 +156,30 @@ def _tp_split_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for n in names for p in model.get_submodule(n).parameters())
 
 
+def _activation_estimates(
+    model: nn.Module, example_input: Any, activation_checkpointing: Any
+) -> tuple[ActivationEstimate | None, ActivationEstimate | None]:
+    """(the estimate the rows use, the ``+ckpt`` rows' one or None): checkpointing is offered when
+    the user chose none and it lowers the peak (a model without blocks has nothing to checkpoint)."""
+    if example_input is None:
+        return None, None
+    estimate = estimate_activations(model, example_input, activation_checkpointing=activation_checkpointing)
+    if activation_checkpointing is not None or estimate.peak == 0:
+        return estimate, None
+    try:
+        checkpointed = estimate_activations(model, example_input, activation_checkpointing="full")
+    except ValueError:  # no blocks to checkpoint
+        return estimate, None
+    return estimate, checkpointed if checkpointed.peak < estimate.peak else None
+
+
 def plan_table(
     model: nn.Module,
     optimizer_cls: Any = torch.optim.AdamW,
     world_size: int = 1,
     budget: int | float | None = None,
     example_input: Any = None,
+    activation_checkpointing: Any = None,
 ) -> list[PlanRow]:
     """Every candidate strategy with its memory per rank; the chosen one has ``chosen=True`` and its
     ``note`` says why.
@@ -167,7 +189,11 @@ def plan_table(
         optimizer_cls: an optimizer class or instance (its state size per parameter).
         world_size: ranks the run will have.
         budget: bytes per rank (default: :func:`memory_budget`).
-        example_input: one microbatch, to measure activations.
+        example_input: one microbatch, to measure activations (see
+            :func:`kiln.parallel.activation_memory.estimate_activations` for its form).
+        activation_checkpointing: the run's choice (``"full"``, ``"selective"``, ...): activations are
+            measured with it, and no ``+ckpt`` rows are added. None: rows without checkpointing,
+            and with an example, ``+ckpt`` rows with every block checkpointed.
 
     Example::
 
@@ -179,17 +205,16 @@ def plan_table(
     # optimizer state is kept in the parameters' dtype by torch optimizers
     factor = optimizer_state_factor(optimizer_cls)
     o_bytes = factor * g_bytes
-    act = activation_bytes(model, example_input) if example_input is not None else 0
+    estimate, checkpointed = _activation_estimates(model, example_input, activation_checkpointing)
     w = max(int(world_size), 1)
-    rows: list[PlanRow] = []
+    # (strategy, params, grads, optimizer state, note): the memory that does not depend on the batch
+    candidates: list[tuple[str, int, int, int, str]] = []
     if w == 1:
-        rows.append(
-            PlanRow("single", p_bytes, g_bytes, o_bytes, act, p_bytes + g_bytes + o_bytes + act, note="one rank")
-        )
+        candidates.append(("single", p_bytes, g_bytes, o_bytes, "one rank"))
     else:
         block = _largest_block(model)
         shard = lambda n: math.ceil(n / w)  # noqa: E731
-        candidates = [
+        candidates += [
             ("ddp", p_bytes, 2 * g_bytes, o_bytes, "replicated; gradients all-reduced (buckets double them)"),
             ("zero1", p_bytes, 2 * g_bytes, shard(o_bytes), "optimizer state sharded"),
             (
@@ -221,8 +246,30 @@ def plan_table(
                     "batch, so auto never picks it: ask for strategy='tp' or Hybrid(tp=...)",
                 )
             )
-        for name, p, g, o, note in candidates:
-            rows.append(PlanRow(name, p, g, o, act, p + g + o + act, note=note, eligible=name != "tp"))
+    act = estimate.peak if estimate is not None else 0
+    options = {"activation_checkpointing": activation_checkpointing} if activation_checkpointing is not None else {}
+    rows = [
+        PlanRow(
+            name, p, g, o, act, p + g + o + act, note=note, eligible=name != "tp", options=options, estimate=estimate
+        )
+        for name, p, g, o, note in candidates
+    ]
+    if checkpointed is not None:
+        rows += [
+            PlanRow(
+                name,
+                p,
+                g,
+                o,
+                checkpointed.peak,
+                p + g + o + checkpointed.peak,
+                note=f"{note}; every block checkpointed (one more forward in the backward)",
+                options={"activation_checkpointing": "full"},
+                estimate=checkpointed,
+            )
+            for name, p, g, o, note in candidates
+            if name != "tp"
+        ]
     limit = memory_budget(budget)
     for row in rows:
         row.fits = limit is None or row.total <= limit
@@ -231,13 +278,14 @@ def plan_table(
 
 
 def choose(rows: list[PlanRow], limit: int | None = None) -> PlanRow:
-    """Mark and return the least-communication row that fits (the smallest one if none fits)."""
+    """Mark and return the first row, in order, that fits and auto may take: the least communication
+    without checkpointing, then with it (the smallest one if none fits)."""
     budget = "no known limit" if limit is None else f"the budget of {_fmt(limit)} per rank"
     candidates = [r for r in rows if r.eligible]
     fitting = [r for r in candidates if r.fits]
     if fitting:
         pick = fitting[0]
-        skipped = [r.strategy for r in candidates[: candidates.index(pick)]]
+        skipped = [r.label for r in candidates[: candidates.index(pick)]]
         why = (
             f"fits {budget}"
             + (f"; {', '.join(skipped)} would not" if skipped else "")
@@ -246,6 +294,15 @@ def choose(rows: list[PlanRow], limit: int | None = None) -> PlanRow:
     else:
         pick = min(candidates, key=lambda r: r.total)
         why = f"nothing fits {budget}; the smallest estimate (add ranks, shrink the microbatch or use bf16)"
+    plain = [r for r in candidates if not r.options.get("activation_checkpointing")]
+    if pick.options.get("activation_checkpointing") and plain:
+        # why checkpointing: the activations' share of the smallest row without it
+        smallest = min(plain, key=lambda r: r.total)
+        why += (
+            f"; activations are {smallest.activations / max(smallest.total, 1):.0%} of {smallest.label}'s "
+            f"{_fmt(smallest.total)}, checkpointing every block brings them from "
+            f"{_fmt(smallest.activations)} to {_fmt(pick.activations)}"
+        )
     pick.chosen = True
     pick.note = f"{pick.note}. CHOSEN: {why}" if pick.note else f"CHOSEN: {why}"
     return pick
@@ -264,7 +321,7 @@ def format_table(rows: list[PlanRow]) -> str:
     head = ("  strategy", "params", "grads", "optimizer", "activations", "total/rank", "fits", "why")
     body = [
         (
-            ("* " if r.chosen else "  ") + r.strategy,
+            ("* " if r.chosen else "  ") + r.label,
             _fmt(r.params),
             _fmt(r.grads),
             _fmt(r.optimizer),
@@ -280,3 +337,20 @@ def format_table(rows: list[PlanRow]) -> str:
         "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in [head, *body]
     ]
     return "\n".join(lines)
+
+
+def activation_summary(rows: list[PlanRow]) -> str:
+    """One line on how the activations of the rows were measured (empty without an example)."""
+    seen: dict[str, ActivationEstimate] = {}
+    for row in rows:
+        if row.estimate is not None:
+            seen.setdefault(str(row.estimate.activation_checkpointing), row.estimate)
+    parts = []
+    for estimate in seen.values():
+        ac = estimate.activation_checkpointing
+        how = "without checkpointing" if ac is None else f"activation_checkpointing={ac!r}"
+        parts.append(f"{how}: {_fmt(estimate.peak)} at the peak ({_fmt(estimate.saved)} saved for the backward)")
+    if not parts:
+        return ""
+    method = next(iter(seen.values())).method
+    return f"activations of one microbatch per rank, one forward and backward on {method}; " + "; ".join(parts)

@@ -26,12 +26,23 @@ if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["TensorParallel", "resolve_tp_plan", "apply_tp", "matching_modules"]
+__all__ = [
+    "TensorParallel",
+    "resolve_tp_plan",
+    "apply_tp",
+    "matching_modules",
+    "model_tp_plan",
+    "huggingface_tp_plan",
+    "check_tp_size",
+]
 
 _STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_rep", "rowwise_rep")
 # Hugging Face's tp_plan spellings that mean the same thing
 _ALIASES = {"sequence_parallel": "sequence", "local_colwise": "colwise", "local_rowwise": "rowwise"}
 _SPLITTABLE = (nn.Linear, nn.Embedding)
+# The styles of a Hugging Face base_model_tp_plan that mean torch's ColwiseParallel / RowwiseParallel
+# with their defaults (the attention reshapes with -1 heads, so it runs on its local heads).
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
 
 
 def _style(name: str) -> Any:
@@ -65,14 +76,14 @@ def matching_modules(model: nn.Module, pattern: str) -> list[str]:
 def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, Any]:
     """Validate a plan against the model and turn style names into ``ParallelStyle`` objects.
 
-    ``plan=None`` uses the model's own ``tp_plan`` attribute. Raises ``ValueError`` naming the
-    pattern, the value and the fix when a pattern selects no module, a style is unknown or a
+    ``plan=None`` uses the model's own plan (:func:`model_tp_plan`). Raises ``ValueError`` naming
+    the pattern, the value and the fix when a pattern selects no module, a style is unknown or a
     ``colwise``/``rowwise`` target is not a Linear or Embedding. Runs no collective.
     """
     from torch.distributed.tensor.parallel import ParallelStyle
 
     if plan is None:
-        plan = getattr(model, "tp_plan", None)
+        plan = model_tp_plan(model)
         if plan is None:
             raise ValueError(
                 f"TensorParallel(plan=None) needs a plan: pass plan={{'layers.*.fc1': 'colwise', ...}} "
@@ -114,6 +125,110 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[st
     return resolved
 
 
+def _is_hf_model(module: nn.Module) -> bool:
+    # A transformers PreTrainedModel, told without importing transformers (the test of
+    # kiln.models.is_huggingface_model, which this layer below kiln.models does not import).
+    return hasattr(type(module), "base_model_prefix") and callable(
+        getattr(getattr(module, "config", None), "to_dict", None)
+    )
+
+
+def huggingface_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The plan of the first Hugging Face model in ``model`` (itself or a submodule, such as a
+    :class:`kiln.models.HuggingFaceModel`'s), from its ``config.base_model_tp_plan``; None when
+    ``model`` holds none or its config has no plan.
+
+    That plan's keys are relative to the base model (``layers.*.self_attn.q_proj``); they are
+    prefixed with the base model's path in ``model`` (``model.model.``). Its ``"colwise"`` and
+    ``"rowwise"`` become torch's ``ColwiseParallel`` and ``RowwiseParallel``; any other style
+    (transformers' packed, MoE or local ones) raises ``ValueError`` naming it: pass a plan then.
+    Embeddings and the LM head are not in the base plan and stay whole on every rank.
+
+    Example::
+
+        huggingface_tp_plan(HuggingFaceModel(LlamaForCausalLM(config)))
+        # {"model.model.layers.*.self_attn.q_proj": "colwise", ..., "model.model.layers.*.mlp.down_proj": "rowwise"}
+    """
+    for name, module in model.named_modules():  # pre-order: the outermost Hugging Face model first
+        if not _is_hf_model(module):
+            continue
+        base_plan = getattr(module.config, "base_model_tp_plan", None)
+        if not base_plan:
+            return None
+        base = getattr(module, "base_model", module)
+        base_name = next((n for n, m in module.named_modules() if m is base), "")
+        prefix = ".".join(part for part in (name, base_name) if part)
+        plan: dict[str, str] = {}
+        for pattern, style in base_plan.items():
+            if style not in _HF_STYLES:
+                raise ValueError(
+                    f"{type(module.config).__name__}.base_model_tp_plan[{pattern!r}]={style!r} is a transformers "
+                    f"style kiln does not translate (it translates {', '.join(_HF_STYLES)}); pass "
+                    "TensorParallel(plan={...}) (or Hybrid(tp_plan=...)) with torch ParallelStyle objects"
+                )
+            plan[f"{prefix}.{pattern}" if prefix else pattern] = _HF_STYLES[style]
+        return plan
+    return None
+
+
+def model_tp_plan(model: nn.Module) -> Mapping[str, Any] | None:
+    """The plan a model brings: a Hugging Face model's (:func:`huggingface_tp_plan`) when ``model``
+    is one, else its ``tp_plan`` attribute, else that of a Hugging Face model inside it; None if none.
+
+    (A transformers model's own ``tp_plan`` attribute uses transformers' style names, which
+    torch does not know: its ``base_model_tp_plan`` is translated instead.)
+    """
+    if _is_hf_model(model):
+        return huggingface_tp_plan(model)
+    plan = getattr(model, "tp_plan", None)
+    return plan if plan is not None else huggingface_tp_plan(model)
+
+
+def check_tp_size(model: nn.Module, plan: Mapping[str, Any], tp: int, *, pipeline: bool = False) -> None:
+    """Refuse a tensor-parallel size that does not divide the heads of an attention layer ``plan``
+    splits: each rank must hold whole query and key/value heads (with grouped-query attention,
+    ``num_key_value_heads`` too). An attention layer is the parent of a split layer that has a
+    ``head_dim`` and a ``config`` with ``num_attention_heads`` (transformers' convention).
+
+    ``pipeline``: the model is also cut into pipeline stages, which traces it before tensor
+    parallelism splits it; grouped-query attention then keeps the whole model's head counts in
+    the traced graph (transformers' ``repeat_kv``) and fails, so it is refused.
+
+    Raises ``ValueError`` naming the layer, the counts and the sizes that fit. Runs no collective.
+    """
+    if tp <= 1:
+        return
+    checked: set[str] = set()
+    for pattern in plan:
+        for name in matching_modules(model, pattern):
+            parent_name = name.rpartition(".")[0]
+            if parent_name in checked:
+                continue
+            checked.add(parent_name)
+            parent = model.get_submodule(parent_name) if parent_name else model
+            config = getattr(parent, "config", None)
+            heads = getattr(config, "num_attention_heads", None)
+            if not hasattr(parent, "head_dim") or not isinstance(heads, int):
+                continue
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            if pipeline and kv_heads != heads:
+                raise ValueError(
+                    f"tensor parallelism inside pipeline stages cannot split the grouped-query attention "
+                    f"{parent_name!r} ({heads} query heads, {kv_heads} key/value heads): the pipeline traces the "
+                    "model before tensor parallelism splits it, and the traced graph keeps the whole model's "
+                    "head counts; use pp with data parallelism (dp_shard/dp_replicate), or tp without pp"
+                )
+            for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+                if count % tp:
+                    fits = [d for d in range(2, heads + 1) if heads % d == 0 and kv_heads % d == 0]
+                    raise ValueError(
+                        f"tensor parallelism over {tp} ranks splits the attention {parent_name!r} by heads, but "
+                        f"its config has {field}={count}, which {tp} does not divide (each rank must hold whole "
+                        f"heads); use a tensor-parallel size in {fits or '(none: keep tp=1)'}, or a plan that "
+                        "leaves the attention whole"
+                    )
+
+
 def apply_tp(model: nn.Module, tp_mesh, plan: Mapping[str, Any]) -> nn.Module:
     """Parallelise ``model`` in place over ``tp_mesh`` with a resolved plan."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -129,7 +244,8 @@ class TensorParallel(Strategy):
     Args:
         plan: module-name patterns to ``"colwise"``, ``"rowwise"``, ``"sequence"`` (or
             ``"colwise_rep"``/``"rowwise_rep"``, or torch ``ParallelStyle`` objects). ``None``: the
-            model's ``tp_plan`` attribute.
+            model's own (:func:`model_tp_plan`: a Hugging Face model's ``base_model_tp_plan``, or
+            a ``tp_plan`` attribute).
 
     Example::
 
@@ -146,6 +262,7 @@ class TensorParallel(Strategy):
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         plan = resolve_tp_plan(model, self.plan)  # user errors first, before any collective
+        check_tp_size(model, plan, ctx.world_size)
         return ParallelizePlan.on_mesh(
             ParallelDims(dp_shard=1, tp=ctx.world_size),
             ctx=ctx,
@@ -159,7 +276,7 @@ class TensorParallel(Strategy):
         return clip_grad_norm_(model.parameters(), max_norm, norm_type)
 
     def describe(self) -> dict[str, Any]:
-        plan = self.plan if self.plan is not None else "model.tp_plan"
+        plan = self.plan if self.plan is not None else "the model's own"
         return {"name": self.name, "plan": {k: str(v) for k, v in plan.items()} if isinstance(plan, Mapping) else plan}
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 from kiln.core.model import Model
 from kiln.engine import Engine
 from kiln.launch.context import Context, resolve_device
+from kiln.trainer.options import LeverOptions
 
 __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
 
@@ -28,6 +29,7 @@ def build_engine(
     precision: Any,
     strategy: Any,
     clip_grad_norm: float | None,
+    levers: LeverOptions | None = None,
     deepspeed_config: Mapping[str, Any] | str | None,
     algorithms: Sequence[Any],
     batch_size: int | None = None,
@@ -36,7 +38,8 @@ def build_engine(
 ) -> Engine:
     """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``; ``batch_size``: the training
     loader's, per rank (DeepSpeed's config takes it when it names no batch size); ``device``: the
-    Trainer's ``device=`` (see :func:`kiln.launch.context.resolve_device`)."""
+    Trainer's ``device=`` (see :func:`kiln.launch.context.resolve_device`); ``levers``: compile and
+    activation checkpointing, which the Engine hands to the strategy before its setup."""
     if model is None:
         raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
     # The one place device= takes effect: the strategy places the model on ctx.device and the
@@ -57,15 +60,19 @@ def build_engine(
 
         strategy = get_strategy(strategy, ctx)
         strategy.find_unused_parameters = True
-    return Engine(
+    engine = Engine(
         model,
         optimizer,
         model.loss if isinstance(model, Model) else criterion,
         precision=precision,
         strategy=strategy,
         clip_grad_norm=clip_grad_norm,
+        compile=levers.compile if levers is not None else None,
+        activation_checkpointing=levers.activation_checkpointing if levers is not None else None,
+        float8=levers.float8 if levers is not None else None,
         ctx=ctx,
     )
+    return engine
 
 
 def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:

@@ -9,14 +9,16 @@ to another layer (the checkpoint save types, retention) are that layer's functio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
+from kiln.parallel.parallelize import ParallelizeOptions
 
 __all__ = [
     "TrainerOptions",
@@ -25,6 +27,7 @@ __all__ = [
     "EvalOptions",
     "LogOptions",
     "CheckpointOptions",
+    "LeverOptions",
     "resolve_duration",
 ]
 
@@ -249,6 +252,28 @@ class CheckpointOptions:
 
 
 @dataclass
+class LeverOptions:
+    """The throughput levers the strategy applies to the model's blocks (see
+    :class:`kiln.parallel.ParallelizeOptions`, which checks them)."""
+
+    compile: bool | Mapping[str, Any] = False
+    """``True`` or a dict of ``torch.compile`` arguments: each block's forward is compiled."""
+    activation_checkpointing: str | Callable[[nn.Module], bool] | None = None
+    """``"full"``, ``"selective"`` (keeps matmul outputs), ``"selective:N"`` (every Nth block) or ``fn(module) -> bool``."""
+
+    float8: bool | Mapping[str, Any] | None = None
+    """``True`` or a dict of torchao float8 settings: FP8 matmuls in the eligible Linear layers."""
+
+    def __post_init__(self) -> None:
+        self.parallelize_options()  # the checks live with the options the strategy reads
+
+    def parallelize_options(self) -> ParallelizeOptions:
+        return ParallelizeOptions(
+            compile=self.compile, activation_checkpointing=self.activation_checkpointing, float8=self.float8
+        )
+
+
+@dataclass
 class TrainerOptions:
     """The Trainer's validated arguments, by group (``trainer.options.microbatching.grad_accum``)."""
 
@@ -257,3 +282,4 @@ class TrainerOptions:
     evaluation: EvalOptions = field(default_factory=EvalOptions)
     logging: LogOptions = field(default_factory=LogOptions)
     checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)
+    levers: LeverOptions = field(default_factory=LeverOptions)

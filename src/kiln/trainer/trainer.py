@@ -35,6 +35,7 @@ from kiln.trainer.options import (
     CheckpointOptions,
     DurationOptions,
     EvalOptions,
+    LeverOptions,
     LogOptions,
     MicrobatchOptions,
     TrainerOptions,
@@ -64,6 +65,13 @@ class Trainer:
             is valid) or JSON path; kiln fills accumulation, clipping and precision into it.
         grad_accum / device_train_microbatch_size: split each batch into microbatches (int, or
             ``"auto"``: halve on out-of-memory and retry).
+        compile: ``True`` or a dict of ``torch.compile`` arguments: each block of the model (the
+            modules FSDP shards, ``layers.0``, ...) is compiled in place; checkpoints keep their keys.
+        activation_checkpointing: recompute activations in the backward: ``"full"`` (every block),
+            ``"selective"`` (every block, keeping the matmul outputs), ``"selective:N"`` (every Nth
+            block) or ``fn(module) -> bool``. See :class:`kiln.parallel.ParallelizeOptions`.
+        float8: ``True`` or a dict of torchao float8 settings: FP8 matmuls in the eligible Linear
+            layers, on GPUs with FP8 tensor cores (see :mod:`kiln.parallel.float8`).
         algorithms, callbacks, loggers: run on the events of :class:`kiln.Event`.
         eval_interval: a Time (``"1ep"``, ``"100ba"``) or int epochs.
         train_subset_num_batches: train on only the first N batches of each epoch (Composer's;
@@ -94,6 +102,9 @@ class Trainer:
         grad_accum: int = 1,
         device_train_microbatch_size: int | str | None = None,
         clip_grad_norm: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        activation_checkpointing: str | Callable[[nn.Module], bool] | None = None,
+        float8: bool | Mapping[str, Any] | None = None,
         algorithms: Sequence[Algorithm] | Algorithm = (),
         callbacks: Sequence[Callback] | Callback = (),
         loggers: Any = (),
@@ -134,6 +145,7 @@ class Trainer:
             microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
             evaluation=EvalOptions(eval_interval, eval_subset_num_batches),  # type: ignore[arg-type]  # made a Time
             logging=LogOptions(loggers, log_interval, progress_bar),
+            levers=LeverOptions(compile, activation_checkpointing, float8),
             checkpointing=CheckpointOptions(
                 save_folder,
                 save_interval,
@@ -164,6 +176,7 @@ class Trainer:
                 precision=precision,
                 strategy=strategy,
                 clip_grad_norm=clip_grad_norm,
+                levers=opts.levers,
                 deepspeed_config=deepspeed_config,
                 algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
                 batch_size=getattr(train_dataloader, "batch_size", None),
@@ -174,6 +187,12 @@ class Trainer:
             raise ValueError(
                 f"device={device!r} differs from the device of the engine= given ({engine.device}); the "
                 "Engine already placed the model: drop device=, or build the Engine on that device"
+            )
+        elif opts.levers != LeverOptions():
+            raise ValueError(
+                f"compile={compile!r} / activation_checkpointing={activation_checkpointing!r} / float8={float8!r} "
+                "are given with "
+                "engine=, whose strategy already set up the model: pass them to kiln.Engine (or initialize's config)"
             )
         self.engine = engine
         module = engine.module

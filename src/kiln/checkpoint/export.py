@@ -1,0 +1,189 @@
+"""A checkpoint's model as a Hugging Face folder: ``config.json`` + ``model.safetensors``.
+
+``transformers.AutoModelFor...from_pretrained(OUT)`` loads what :func:`export_hf` writes, with the
+weights the checkpoint holds. It reads any save type (sharded, deduped, merged folder or file) from
+any world size through :func:`kiln.checkpoint.offline.load_full`, with no process group and no
+model. The config comes from the checkpoint itself: a :class:`kiln.models.HuggingFaceModel` keeps
+its model's class and config in its ``_extra_state`` entry; a checkpoint without one (saved from
+the transformers model itself, or by a pipeline, whose stages drop that entry) needs ``config=``.
+transformers is not needed to export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.checkpoint import layout
+from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.offline import load_full
+from kiln.precision import DTYPES
+
+__all__ = ["export_hf", "CONFIG_FILE", "WEIGHTS_FILE"]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+_EXTRA_STATE = "_extra_state"
+_WRAPPED = "model."  # the attribute a HuggingFaceModel holds its transformers model under
+
+
+def export_hf(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: Mapping[str, Any] | str | os.PathLike | Any | None = None,
+    dtype: str | torch.dtype | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Write the model of checkpoint ``path`` as a Hugging Face folder ``out`` (which must not exist).
+
+    The folder is written under a temporary name and renamed when complete: a failure leaves
+    nothing behind.
+
+    Args:
+        path: a checkpoint folder or merged ``.pt`` file of any save type and world size.
+        out: the folder to create.
+        config: the model's config when the checkpoint holds none (a dict, a ``config.json`` file
+            or the folder holding it, or a transformers config object); overrides the checkpoint's.
+        dtype: cast floating-point weights (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"float64"``...);
+            None keeps the checkpoint's.
+        tokenizer: a tokenizer to save beside the model (its ``save_pretrained(out)``).
+
+    Raises:
+        CheckpointError: the checkpoint is unreadable or holds no config (and none was given),
+            ``out`` exists, or the folder cannot be written; the message names the file and the fix.
+
+    Example::
+
+        kiln.checkpoint.export_hf("runs/a/last", "exported")
+        model = transformers.AutoModelForCausalLM.from_pretrained("exported")
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise CheckpointError(out, "already exists", "choose a new folder for the export, or remove it first")
+    cast = _dtype(dtype)
+    _, tensors, _ = load_full(path, model_only=True)
+    state = tensors["model"] or {}
+    saved_prefix, saved = _saved_config(state)
+    if config is not None:
+        config_dict = _config_dict(config)
+    elif saved is not None:
+        config_dict = saved["config"]
+    else:
+        raise CheckpointError(
+            path,
+            "holds no Hugging Face config (it was not saved from a kiln.models.HuggingFaceModel, or was "
+            "saved by a pipeline, whose stages keep no config)",
+            "pass the model's config: --config DIR (the folder with its config.json) or export_hf(..., config=...)",
+        )
+    prefix = _weights_prefix(state, saved_prefix)
+    weights = _weights(state, prefix, cast)
+    if not weights:
+        raise CheckpointError(path, "holds no model weights", "export a checkpoint a Trainer or Engine saved")
+    config_dict = dict(config_dict)
+    if saved is not None and not config_dict.get("architectures"):
+        config_dict["architectures"] = [saved["class"]]
+    floating = [v.dtype for v in weights.values() if v.is_floating_point()]
+    if floating:  # what from_pretrained(dtype="auto") builds the model in
+        config_dict["dtype"] = str(floating[0]).replace("torch.", "")
+    _write(out, config_dict, weights, tokenizer)
+    return out
+
+
+def _saved_config(state: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """``(prefix, extra state)`` of the HuggingFaceModel in ``state`` (``("", None)`` if none)."""
+    from kiln.models.huggingface import EXTRA_STATE_FORMAT
+
+    for key, value in state.items():
+        if not key.endswith(_EXTRA_STATE) or not isinstance(value, (str, bytes)):
+            continue
+        try:
+            saved = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(saved, dict) and saved.get("format") == EXTRA_STATE_FORMAT:
+            return key[: -len(_EXTRA_STATE)], saved
+    return "", None
+
+
+def _weights_prefix(state: Mapping[str, Any], saved_prefix: str) -> str:
+    names = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    if names and all(k.startswith(saved_prefix + _WRAPPED) for k in names):
+        return saved_prefix + _WRAPPED  # a HuggingFaceModel's weights, behind "model."
+    return saved_prefix
+
+
+def _weights(state: Mapping[str, Any], prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, value in sorted(state.items()):
+        if not isinstance(value, torch.Tensor) or not name.startswith(prefix):
+            continue
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        # safetensors refuses tensors that share storage (tied weights): give each its own.
+        if value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        weights[name[len(prefix) :]] = value.contiguous()
+    return weights
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        file = Path(config)
+        if file.is_dir():
+            file = file / CONFIG_FILE
+        try:
+            loaded = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(
+                file, f"is not a readable config.json ({type(exc).__name__}: {exc})", "pass the model's config.json"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise CheckpointError(file, "holds no JSON object", "pass the model's config.json")
+        return loaded
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json):  # a transformers PretrainedConfig
+        return json.loads(to_json(use_diff=False))
+    raise TypeError(f"config={config!r} must be a dict, a config.json file or folder, or a transformers config object")
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = DTYPES.get(dtype, getattr(torch, str(dtype), None))
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(DTYPES)} or a torch dtype name")
+    return value
+
+
+def _write(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(layout.temporary_name(out.name))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        # transformers refuses a safetensors file without format "pt" in its metadata
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        layout.write_durably(tmp / CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, out)
+        layout.fsync_dir(out.parent)
+    except BaseException as exc:  # nothing half written stays behind, whatever stopped it
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(
+                out, f"could not be written ({type(exc).__name__}: {exc})", "check free space and permissions there"
+            ) from None
+        raise

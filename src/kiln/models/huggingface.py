@@ -1,0 +1,441 @@
+"""Hugging Face ``transformers`` models as :class:`kiln.Model`\\ s (Composer's ``HuggingFaceModel``).
+
+The wrapper adds no layers: its one child is the transformers model, under the attribute
+``model``, so a checkpoint's weights are the model's own ``state_dict`` keys behind ``model.``,
+beside an ``_extra_state`` entry holding the model's class and ``config`` as JSON. That entry is
+what lets ``kiln checkpoint export PATH --hf OUT`` (:func:`kiln.checkpoint.export.export_hf`)
+write a folder ``from_pretrained`` loads, from the checkpoint alone.
+
+Only :meth:`HuggingFaceModel.from_config` and :meth:`HuggingFaceModel.from_pretrained` import
+transformers themselves; wrapping a model that exists uses what its own import loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import Metric
+
+from kiln.core.model import Model
+
+__all__ = ["HuggingFaceModel", "LanguagePerplexity", "EXTRA_STATE_FORMAT", "is_huggingface_model", "model_task"]
+
+EXTRA_STATE_FORMAT = "kiln.huggingface/1"
+"""The ``format`` field of the JSON a :class:`HuggingFaceModel` keeps in its ``_extra_state``."""
+
+IGNORE_INDEX = -100  # transformers' label value for positions that count in no loss or metric
+
+# Class-name endings of the classifier heads whose default metric is accuracy.
+_CLASSIFIER_SUFFIXES = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForImageClassification",
+    "ForAudioClassification",
+    "ForVideoClassification",
+    "ForMultipleChoice",
+)
+
+
+def is_huggingface_model(module: Any) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (told without importing transformers)."""
+    return (
+        isinstance(module, nn.Module)
+        and hasattr(type(module), "base_model_prefix")
+        and callable(getattr(getattr(module, "config", None), "to_dict", None))
+    )
+
+
+def model_task(model: nn.Module) -> str | None:
+    """``"causal_lm"``, ``"classification"`` or None (anything else), from the model's class.
+
+    A causal LM is a class transformers' ``AutoModelForCausalLM`` builds (or, without that table,
+    one whose name ends in ``ForCausalLM``/``LMHeadModel``); a classifier is a ``...For*Classification``
+    or ``...ForMultipleChoice`` head.
+    """
+    name = type(model).__name__
+    if name.endswith(_CLASSIFIER_SUFFIXES):
+        return "classification"
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    try:  # transformers is loaded already: the model is one of its classes
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - a transformers-like model without transformers
+        return None
+    causal = {n for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in _as_names(value)}
+    return "causal_lm" if name in causal else None
+
+
+def _as_names(value: Any) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+class LanguagePerplexity(Metric):
+    """Perplexity of next-token predictions: ``exp`` of the mean cross-entropy over every counted
+    token (labels equal to ``ignore_index`` are left out) of every rank.
+
+    Args:
+        ignore_index: the label of positions that do not count (transformers' -100).
+        **kwargs: torchmetrics ``Metric`` options.
+
+    Example::
+
+        ppl = kiln.models.LanguagePerplexity()
+        ppl.update(logits[:, :-1], labels[:, 1:])   # (N, T, V) scores, (N, T) labels
+        ppl.compute()                               # over every batch and rank
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+    sum_loss: torch.Tensor
+    total: torch.Tensor
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ignore_index = ignore_index
+        # A sum and a count, summed over ranks by compute(): ranks that hold the same batch
+        # (tensor or pipeline parallel) count it twice in both, which cancels in the ratio.
+        self.add_state("sum_loss", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        preds = preds.detach()
+        if preds.dtype in (torch.float16, torch.bfloat16):
+            preds = preds.float()
+        loss = F.cross_entropy(
+            preds.reshape(-1, preds.shape[-1]), target.reshape(-1), ignore_index=self.ignore_index, reduction="sum"
+        )
+        self.sum_loss += loss.to(self.sum_loss.dtype)
+        self.total += (target != self.ignore_index).sum()
+
+    def compute(self) -> torch.Tensor:
+        return torch.exp(self.sum_loss / self.total.clamp(min=1))
+
+
+class HuggingFaceModel(Model):
+    """A Hugging Face ``transformers`` model (``PreTrainedModel``) as a :class:`kiln.Model`.
+
+    Batches are dicts of the model's keyword arguments (``input_ids``, ``attention_mask``,
+    ``labels``, ``pixel_values``, ...): ``forward(batch)`` is ``model(**batch)``, with
+    ``use_cache=False`` added for models that take it (a training step keeps no key/value cache).
+    The loss is the output's ``loss``, which transformers computes from ``labels``; without one
+    (a model that returns none, or a pipeline, whose stages run without the labels) it is the
+    cross-entropy of ``logits`` against ``labels``, shifted as ``shift_labels`` says. ``eval_forward`` returns the ``logits``, so ``Trainer.predict`` gives
+    logits too.
+
+    Args:
+        model: the transformers model (any ``nn.Module`` with a ``config`` that has ``to_dict``).
+        tokenizer: kept as ``self.tokenizer`` for the user's own use (kiln reads nothing from it).
+        metrics: evaluation metrics, a dict of torchmetrics ``Metric`` objects by name or a list
+            of them (named by class); None: ``LanguagePerplexity`` for causal LMs, ``Accuracy``
+            for classifiers, nothing else (the evaluator always adds ``loss``).
+        shift_labels: the metrics compare the logits at position ``t`` with the label at ``t + 1``
+            (next-token prediction). None: True for causal LMs, False otherwise. transformers
+            shifts inside its own loss either way; this only concerns metrics and a loss kiln
+            computes itself.
+
+    Under every strategy the wrapper is the model kiln parallelises: its blocks are the
+    transformers model's layers (``model.model.layers.0``, ...), tensor parallelism uses the
+    model's own ``config.base_model_tp_plan`` when given no plan, and pipeline split points are
+    module names such as ``"model.model.layers.2"``.
+
+    Example::
+
+        from transformers import LlamaConfig, LlamaForCausalLM
+        model = kiln.models.HuggingFaceModel(LlamaForCausalLM(LlamaConfig(...)))
+        trainer = kiln.Trainer(model, train_dataloader=loader, max_duration="100ba", strategy="zero3")
+        # loader batches: {"input_ids": LongTensor (N, T), "labels": LongTensor (N, T)}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        metrics: Mapping[str, Any] | Sequence[Any] | Any | None = None,
+        shift_labels: bool | None = None,
+    ) -> None:
+        super().__init__()
+        config = getattr(model, "config", None)
+        if not isinstance(model, nn.Module) or not callable(getattr(config, "to_dict", None)):
+            raise TypeError(
+                f"HuggingFaceModel(model=...) takes a transformers model (an nn.Module with a config), "
+                f"got a {type(model).__name__}; build one with e.g. transformers.AutoModelForCausalLM.from_config(config)"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.task = model_task(model)
+        self.shift_labels = self.task == "causal_lm" if shift_labels is None else bool(shift_labels)
+        self._metrics = _named_metrics(metrics)
+        # A causal LM builds a key/value cache by default (config.use_cache), which training never
+        # reads and a pipeline cannot pass between stages: turned off per call, not in the config,
+        # so an exported model still generates with its cache.
+        self._no_cache = "use_cache" in _parameters(model.forward)
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any] | str | Any,
+        *,
+        auto_class: str = "AutoModelForCausalLM",
+        dtype: str | torch.dtype | None = None,
+        tokenizer: str | None = None,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        shift_labels: bool | None = None,
+    ) -> HuggingFaceModel:
+        """A freshly initialised model from a config (for YAML: ``model.type:
+        kiln.models.HuggingFaceModel.from_config``).
+
+        Args:
+            config: a dict with ``model_type`` and the config's fields (``{"model_type": "llama",
+                "hidden_size": 64, ...}``), a folder or ``config.json`` file, or a config object.
+            auto_class: the transformers ``AutoModelFor...`` class that builds the model.
+            dtype: the parameters' dtype (``"float64"``, ``"bfloat16"``, ...); None: transformers' default.
+            tokenizer: a folder (or hub name) to load the tokenizer from with ``AutoTokenizer``.
+            metrics / shift_labels: as for the constructor.
+
+        Example::
+
+            model = HuggingFaceModel.from_config({"model_type": "llama", "vocab_size": 256,
+                                                  "hidden_size": 64, "num_hidden_layers": 2})
+        """
+        transformers = _transformers()
+        config = _config(transformers, config)
+        model = _auto_class(transformers, auto_class).from_config(config)
+        if dtype is not None:
+            model = model.to(_dtype(dtype))
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
+        return cls(model, tok, metrics=metrics, shift_labels=shift_labels)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        auto_class: str = "AutoModelForCausalLM",
+        dtype: str | torch.dtype | None = None,
+        tokenizer: bool | str = False,
+        metrics: Mapping[str, Any] | Sequence[Any] | None = None,
+        shift_labels: bool | None = None,
+        **kwargs: Any,
+    ) -> HuggingFaceModel:
+        """A pretrained model (a folder, e.g. one ``kiln checkpoint export --hf`` wrote, or a hub
+        name), with its tokenizer when ``tokenizer`` is True (from the same place) or a folder or
+        hub name to load it from. ``kwargs`` go to the auto class's ``from_pretrained``."""
+        transformers = _transformers()
+        if dtype is not None:
+            kwargs["dtype"] = _dtype(dtype)
+        model = _auto_class(transformers, auto_class).from_pretrained(name_or_path, **kwargs)
+        tok = None
+        if tokenizer:
+            source = name_or_path if tokenizer is True else tokenizer
+            tok = transformers.AutoTokenizer.from_pretrained(source)
+        return cls(model, tok, metrics=metrics, shift_labels=shift_labels)
+
+    # -- kiln.Model ----------------------------------------------------------------------------
+    def forward(self, batch: Any) -> Any:  # noqa: D102
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"HuggingFaceModel takes dict batches of the model's arguments ({{'input_ids': ..., "
+                f"'labels': ...}}), got a {type(batch).__name__}; have the dataset or collate_fn return dicts"
+            )
+        kwargs = dict(batch)
+        if self._no_cache and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False
+        return self.model(**kwargs)
+
+    def pipeline_inputs(self, batch: Any) -> Any:
+        """What pipeline stages take of ``batch``: all but the labels (see :mod:`kiln.parallel.pipeline`).
+
+        torch passes a pipeline's inputs to its first stage only, so labels cannot reach the loss
+        transformers computes in the last stage; :meth:`loss` computes it from the logits there.
+        """
+        if isinstance(batch, Mapping):
+            return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+        return batch
+
+    def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
+        """The output's ``loss``; else (a model that computes none, or a pipeline, which runs the
+        model without labels) the cross-entropy of its ``logits`` against ``batch["labels"]``,
+        shifted when ``shift_labels``: what transformers computes for causal LMs and single-label
+        classifiers."""
+        labels = _labels(batch)
+        loss = _output_loss(outputs)
+        if loss is not None:
+            return loss
+        if labels is None:
+            raise ValueError(
+                f"{type(self.model).__name__} returned no loss and the batch has no 'labels' "
+                f"(its keys: {', '.join(map(str, batch))}); add labels to the batch (a causal LM "
+                "takes labels=input_ids and shifts them itself)"
+            )
+        logits, target = self._aligned(_logits(outputs, batch), labels)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+    def eval_forward(self, batch: Any, outputs: Any | None = None) -> Any:
+        """The ``logits`` of ``batch`` (all positions, not shifted)."""
+        return _logits(outputs if outputs is not None else self(batch), batch)
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        """Fresh copies of the metrics (each evaluator keeps its own)."""
+        if self._metrics is not None:
+            return {name: metric.clone() for name, metric in self._metrics.items()}
+        if self.task == "causal_lm":
+            return {"LanguagePerplexity": LanguagePerplexity()}
+        if self.task == "classification":
+            from kiln.metrics import Accuracy
+
+            return {"Accuracy": Accuracy(ignore_index=IGNORE_INDEX)}
+        return {}
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        """``metric.update(logits, labels)``, shifted for next-token prediction when ``shift_labels``."""
+        labels = _labels(batch)
+        if labels is None:
+            raise ValueError(
+                f"HuggingFaceModel metrics compare logits with batch['labels'], and this batch has none "
+                f"(its keys: {', '.join(map(str, batch))})"
+            )
+        metric.update(*self._aligned(_logits(outputs, batch), labels))
+
+    def _aligned(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.shift_labels:
+            return logits[:, :-1], labels[:, 1:]
+        return logits, labels
+
+    @property
+    def tp_plan(self) -> dict[str, str] | None:
+        """The tensor-parallel plan the model brings: its ``config.base_model_tp_plan`` under this
+        wrapper's path (:func:`kiln.parallel.tensor.huggingface_tp_plan`); what ``TensorParallel()``
+        and ``Hybrid(tp=N)`` use without a plan, and ``kiln plan`` counts. None when the config has
+        none, or one kiln cannot translate (tensor parallelism then says which style)."""
+        from kiln.parallel.tensor import huggingface_tp_plan
+
+        try:
+            return huggingface_tp_plan(self)
+        except ValueError:
+            return None
+
+    # -- what a checkpoint keeps beside the weights ------------------------------------------
+    def get_extra_state(self) -> str:
+        """The model's class and config as JSON: what an export needs besides the weights."""
+        config: Any = self.model.config  # a transformers PretrainedConfig
+        return json.dumps(
+            {
+                "format": EXTRA_STATE_FORMAT,
+                "class": type(self.model).__name__,
+                "task": self.task,
+                "config": json.loads(config.to_json_string(use_diff=False)),
+            },
+            sort_keys=True,
+        )
+
+    def set_extra_state(self, state: Any) -> None:
+        # The model was built from its own config: a checkpoint's copy of it is for exports only.
+        pass
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _named_metrics(metrics: Any) -> dict[str, Any] | None:
+    if metrics is None:
+        return None
+    if isinstance(metrics, Mapping):
+        named = dict(metrics)
+    elif isinstance(metrics, (list, tuple)):
+        named = {type(m).__name__: m for m in metrics}
+    else:
+        named = {type(metrics).__name__: metrics}
+    for name, metric in named.items():
+        if not callable(getattr(metric, "update", None)) or not callable(getattr(metric, "compute", None)):
+            raise TypeError(
+                f"HuggingFaceModel metrics[{name!r}] is a {type(metric).__name__}; expected a torchmetrics "
+                "Metric (with update and compute), e.g. kiln.metrics.Accuracy()"
+            )
+    return named
+
+
+_LABEL_KEYS = ("labels", "label")
+
+
+def _labels(batch: Any) -> torch.Tensor | None:
+    if not isinstance(batch, Mapping):
+        return None
+    labels = batch.get("labels")
+    return labels if labels is not None else batch.get("label")
+
+
+def _has_loss_first(outputs: Any) -> bool:
+    # transformers' tuple form (return_dict=False, or a pipeline's flattened output) is
+    # (loss, logits, ...) when the model computed a loss, else (logits, ...); a loss is 0-dim.
+    first = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else None
+    return isinstance(first, torch.Tensor) and first.dim() == 0
+
+
+def _output_loss(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    return outputs[0] if _has_loss_first(outputs) else None
+
+
+def _logits(outputs: Any, batch: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return outputs["logits"] if "logits" in outputs else outputs
+    if isinstance(outputs, (tuple, list)):
+        return outputs[1] if _has_loss_first(outputs) and len(outputs) > 1 else outputs[0]
+    return outputs
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "kiln.models.HuggingFaceModel.from_config/from_pretrained need transformers: pip install 'kiln[hf]'"
+        ) from None
+    return transformers
+
+
+def _auto_class(transformers: Any, name: str) -> Any:
+    cls = getattr(transformers, name, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        autos = sorted(n for n in dir(transformers) if n.startswith("AutoModel"))
+        raise ValueError(f"auto_class={name!r} is not a transformers auto class; expected one of {', '.join(autos)}")
+    return cls
+
+
+def _config(transformers: Any, config: Any) -> Any:
+    if isinstance(config, Mapping):
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise ValueError(
+                "HuggingFaceModel.from_config(config={...}) needs config['model_type'] (e.g. 'llama', 'gpt2') "
+                "to know which config class to build"
+            )
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    if isinstance(config, str):
+        return transformers.AutoConfig.from_pretrained(config)
+    return config
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype name; expected e.g. 'float32', 'bfloat16', 'float64'")
+    return value

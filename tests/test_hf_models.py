@@ -1,0 +1,378 @@
+"""Hugging Face models: kiln.models.HuggingFaceModel, the tensor-parallel plan they bring, and
+``kiln checkpoint export --hf``.
+
+The tiny Llama of tests/workers/hf_common.py (float64, 8 heads / 4 key/value heads, byte tokens of
+a standard-library source file) trains under ddp, zero1, zero3, tp (its own plan), zero3 x tp,
+pp (x ddp) and the Engine (zero3 x tp) in one 4-rank launch and must give the one-process losses
+(and evaluation) within 1e-10 per step. A run of
+the config CLI on 2 ranks under zero3 is exported with ``--hf``; transformers loads the folder and
+its logits equal kiln's eval logits. Everything else runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from distributed import ROOT, WORKERS, base_env, check, kiln_run  # noqa: E402
+
+sys.path.insert(0, str(WORKERS))
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
+
+import kiln  # noqa: E402
+from hf_common import CONFIG, LAYERS, ByteWindows, batches, make_llama, make_model  # noqa: E402
+from kiln.cli.main import main as kiln_main  # noqa: E402
+from kiln.models import HuggingFaceModel  # noqa: E402
+from kiln.parallel.tensor import check_tp_size, huggingface_tp_plan, model_tp_plan, resolve_tp_plan  # noqa: E402
+
+SMALL = {**CONFIG, "num_hidden_layers": 2}
+BASE_PLAN = LlamaConfig().base_model_tp_plan
+
+
+def _batch(rows: int = 2) -> dict[str, torch.Tensor]:
+    return batches(1, rows)[0]
+
+
+# -- the wrapper ------------------------------------------------------------------------------------
+def test_a_causal_lm_runs_dict_batches_takes_its_loss_and_reports_perplexity():
+    model = HuggingFaceModel(make_llama(num_hidden_layers=2))
+    assert (model.task, model.shift_labels) == ("causal_lm", True)
+    batch = _batch()
+    out = model(batch)
+    assert model.loss(out, batch) is out.loss  # the output's own loss
+    assert torch.equal(model.eval_forward(batch, out), out.logits)  # eval outputs: the logits
+    metrics = model.get_metrics()
+    assert list(metrics) == ["LanguagePerplexity"]
+    model.update_metric(batch, model.eval_forward(batch, out), metrics["LanguagePerplexity"])
+    # next-token perplexity over the batch's tokens: exp of the causal-LM loss
+    assert metrics["LanguagePerplexity"].compute().item() == pytest.approx(out.loss.exp().item(), rel=1e-12)
+    assert model.get_metrics()["LanguagePerplexity"] is not metrics["LanguagePerplexity"]  # fresh each time
+
+
+def test_without_labels_in_the_forward_the_loss_is_the_shifted_cross_entropy():
+    # what a pipeline does: its stages get pipeline_inputs(batch), the loss the whole batch
+    model = HuggingFaceModel(make_llama(num_hidden_layers=2))
+    batch = _batch()
+    inputs = model.pipeline_inputs(batch)
+    assert set(inputs) == {"input_ids"}
+    with_labels = model(batch)
+    without = model(inputs)
+    assert "loss" not in without or without.loss is None
+    for outputs in (without, without.to_tuple()):  # a pipeline's last stage returns the tuple form
+        assert model.loss(outputs, batch).item() == pytest.approx(with_labels.loss.item(), rel=1e-13)
+        assert torch.equal(model.eval_forward(batch, outputs), with_labels.logits)
+    assert model.loss(with_labels.to_tuple(), batch) is with_labels.loss  # (loss, logits, ...)
+
+
+def test_a_classifier_defaults_to_accuracy_without_shifting():
+    config = LlamaConfig(**SMALL, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = HuggingFaceModel(LlamaForSequenceClassification(config).double())
+    assert (model.task, model.shift_labels) == ("classification", False)
+    batch = {"input_ids": _batch(4)["input_ids"], "labels": torch.tensor([0, 1, 2, 1])}
+    logits = model.eval_forward(batch)
+    metric = model.get_metrics()["Accuracy"]
+    model.update_metric(batch, logits, metric)
+    assert metric.compute().item() == pytest.approx((logits.argmax(-1) == batch["labels"]).double().mean().item())
+
+
+def test_user_metrics_and_shift_labels_win():
+    from kiln.metrics import CrossEntropy
+
+    model = HuggingFaceModel(make_llama(num_hidden_layers=2), metrics=[CrossEntropy()], shift_labels=False)
+    assert list(model.get_metrics()) == ["CrossEntropy"] and not model.shift_labels
+
+
+def test_wrong_inputs_say_what_to_do():
+    with pytest.raises(TypeError, match="takes a transformers model"):
+        HuggingFaceModel(nn.Linear(2, 2))
+    model = HuggingFaceModel(make_llama(num_hidden_layers=2))
+    with pytest.raises(TypeError, match="takes dict batches"):
+        model((torch.zeros(2, 4, dtype=torch.long),))
+    inputs = {"input_ids": _batch()["input_ids"]}
+    with pytest.raises(ValueError, match="no 'labels'.*input_ids"):
+        model.loss(model(inputs), inputs)
+    with pytest.raises(TypeError, match=r"metrics\['x'\]"):
+        HuggingFaceModel(make_llama(num_hidden_layers=2), metrics={"x": object()})
+
+
+def test_the_state_dict_keeps_the_class_and_config_for_exports():
+    model = make_model(num_hidden_layers=2)
+    state = model.state_dict()
+    saved = json.loads(state["_extra_state"])
+    assert saved["class"] == "LlamaForCausalLM"
+    assert saved["config"]["hidden_size"] == 64 and saved["config"]["model_type"] == "llama"
+    other = make_model(seed=1, num_hidden_layers=2)
+    other.load_state_dict(state)  # strict: the entry loads back
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+def test_import_kiln_imports_no_transformers():
+    # kiln.models loads on first use (torchmetrics, which it needs, imports transformers when present)
+    code = (
+        "import sys, kiln; assert not {'transformers', 'kiln.models'} & set(sys.modules); "
+        "assert kiln.models.HuggingFaceModel.__name__ == 'HuggingFaceModel'"
+    )
+    subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=120)
+
+
+# -- the tensor-parallel plan -----------------------------------------------------------------------
+def test_tp_plan_is_the_base_model_tp_plan_under_the_base_models_path():
+    wrapped = make_model(num_hidden_layers=2)
+    assert huggingface_tp_plan(wrapped) == {f"model.model.{k}": v for k, v in BASE_PLAN.items()}
+    assert wrapped.tp_plan == huggingface_tp_plan(wrapped)  # what `kiln plan` counts as split
+    # the transformers model alone: its own tp_plan attribute uses transformers' style names
+    # ("colwise_gather_output", ...), which torch does not know; the base plan is used instead
+    raw = make_llama(num_hidden_layers=2)
+    assert model_tp_plan(raw) == {f"model.{k}": v for k, v in BASE_PLAN.items()}
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    resolved = resolve_tp_plan(wrapped, None)
+    assert isinstance(resolved["model.model.layers.*.self_attn.k_proj"], ColwiseParallel)
+    assert isinstance(resolved["model.model.layers.*.mlp.down_proj"], RowwiseParallel)
+
+
+def test_a_kiln_tp_plan_attribute_still_wins():
+    class Wrapper(nn.Module):
+        tp_plan = {"inner.model.layers.*.mlp.up_proj": "colwise"}
+
+        def __init__(self):
+            super().__init__()
+            self.inner = make_llama(num_hidden_layers=2)
+
+    assert model_tp_plan(Wrapper()) == Wrapper.tp_plan
+
+
+def test_tp_must_divide_the_heads_and_kv_heads():
+    model = make_model(num_hidden_layers=2)  # 8 heads, 4 key/value heads
+    plan = huggingface_tp_plan(model)
+    check_tp_size(model, plan, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=4, which 8 does not divide.*\[2, 4\]"):
+        check_tp_size(model, plan, 8)
+    with pytest.raises(ValueError, match="num_attention_heads=8, which 3 does not divide"):
+        check_tp_size(model, plan, 3)
+    # refused before any process group exists
+    from kiln.launch.context import Context
+    from kiln.parallel import TensorParallel
+    from kiln.precision import get_precision
+
+    with pytest.raises(ValueError, match="does not divide"):
+        TensorParallel().setup(model, None, Context(world_size=8), get_precision("fp32"))
+
+
+def test_tp_inside_pipeline_stages_refuses_grouped_query_attention():
+    model = make_model(num_hidden_layers=2)
+    with pytest.raises(ValueError, match="grouped-query attention.*4 key/value heads"):
+        check_tp_size(model, huggingface_tp_plan(model), 2, pipeline=True)
+    full = make_model(num_hidden_layers=2, num_key_value_heads=8)
+    check_tp_size(full, huggingface_tp_plan(full), 2, pipeline=True)
+
+
+def test_a_transformers_style_kiln_cannot_translate_is_named():
+    model = make_model(num_hidden_layers=2)
+    model.model.config.base_model_tp_plan = {"layers.*.mlp.gate_up_proj": "packed_colwise"}
+    with pytest.raises(ValueError, match="'packed_colwise' is a transformers style kiln does not translate"):
+        resolve_tp_plan(model, None)
+
+
+def test_pipeline_names_the_skip_connection_torch_cannot_run_backward():
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from kiln.parallel.pipeline import _skip_connection
+
+    inputs = (make_model().pipeline_inputs(_batch()),)
+    # a model is traced once (its split layers' forwards are wrapped): a fresh one for each cut
+    four = pipeline(make_model(), mb_args=inputs, split_spec={p: SplitPoint.BEGINNING for p in LAYERS[1:]})
+    message = _skip_connection(four)
+    assert message is not None and "skip connection" in message and "stages [1, 2, 3]" in message
+    two = pipeline(make_model(), mb_args=inputs, split_spec={LAYERS[2]: SplitPoint.BEGINNING})
+    assert _skip_connection(two) is None
+
+
+# -- the config CLI ---------------------------------------------------------------------------------
+def _args(model: dict):
+    from kiln.config import load_trainer_args
+
+    return load_trainer_args(
+        {
+            "model": model,
+            "optimizer": {"type": "torch.optim.AdamW", "args": {"lr": 0.003}},
+            "dataset": {"type": "hf_common.ByteWindows", "train_args": {"count": 8}},
+            "micro_batch_size": 2,
+            "max_train_steps": 1,
+        },
+        world_size=1,
+    )
+
+
+def test_config_builds_hugging_face_models():
+    from kiln.config.trainer_builder import build_model
+
+    small = {"model_type": "llama", **SMALL}
+    model = build_model(
+        _args({"type": "kiln.models.HuggingFaceModel.from_config", "args": {"config": small, "dtype": "float64"}})
+    )
+    assert isinstance(model, HuggingFaceModel) and next(model.parameters()).dtype == torch.float64
+    assert model.model.config.num_key_value_heads == 4
+    # a transformers model named directly is wrapped
+    raw = {"__type": "transformers.LlamaConfig", **SMALL}
+    model = build_model(_args({"type": "transformers.LlamaForCausalLM", "args": {"config": raw}}))
+    assert isinstance(model, HuggingFaceModel) and isinstance(model.model, LlamaForCausalLM)
+
+
+# -- strategies (one 4-rank launch) -----------------------------------------------------------------
+PARITY_CASES = ["ddp", "zero1", "zero3", "tp", "zero3_tp", "pp", "engine_zero3_tp"]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_parity")
+    check(kiln_run(WORKERS / "hf_parity.py", str(out), *PARITY_CASES, nproc=4, timeout=400))
+    return json.loads((out / "hf_parity.json").read_text())
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_tiny_llama_gives_the_one_process_losses(parity, case):
+    result = parity[case]
+    assert len(result["losses"]) == 4
+    assert result["max_loss_diff"] < 1e-10, result
+    assert result["max_eval_diff"] < 1e-10, result
+    assert result["losses"][-1] < result["losses"][0]  # it learns
+
+
+# -- export (a 2-rank config CLI run) ---------------------------------------------------------------
+RUN_YAML = """\
+model:
+  type: kiln.models.HuggingFaceModel.from_config
+  args:
+    config: {config}
+    dtype: float64
+optimizer: {{type: torch.optim.AdamW, args: {{lr: 0.003}}}}
+dataset: {{type: hf_common.ByteWindows, train_args: {{count: 16}}}}
+micro_batch_size: 4
+max_train_steps: 2
+seed: 0
+enable_progress_bar: false
+compute_config: {{strategy: zero3}}
+checkpoint: {{save_dir: {save_dir}, every_n_train_steps: 2}}
+"""
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """The folder of a `kiln train` run on 2 ranks under zero3, with its checkpoint ck/last."""
+    root = tmp_path_factory.mktemp("hf_export")
+    config = json.dumps({"model_type": "llama", **SMALL})
+    (root / "run.yaml").write_text(RUN_YAML.format(config=config, save_dir=root / "ck"))
+    cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(root / "run.yaml"), "--nproc-per-node", "2"]
+    check(subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300, cwd=ROOT))
+    return root
+
+
+def _kiln_logits(checkpoint: Path, loader) -> torch.Tensor:
+    """kiln's eval logits of the checkpoint's weights: a fresh model, loaded by a Trainer, predict()."""
+    model = HuggingFaceModel.from_config({"model_type": "llama", **SMALL}, dtype="float64")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.003)  # the run's: its state is in the checkpoint
+    trainer = kiln.Trainer(model, optimizers=optimizer, load_path=str(checkpoint), progress_bar=False)
+    return torch.cat(trainer.predict(loader))
+
+
+@pytest.mark.world_size(2)
+def test_export_round_trip_from_a_zero3_run(zero3_run, tmp_path, capsys):
+    from torch.utils.data import DataLoader
+
+    out = tmp_path / "hf"
+    assert kiln_main(["checkpoint", "export", str(zero3_run / "ck" / "last"), "--hf", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded, LlamaForCausalLM) and loaded.dtype == torch.float64
+    # the transformers model's own names (what any other loader of the folder expects too)
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert sorted(f.keys()) == sorted(loaded.state_dict())
+    loader = DataLoader(ByteWindows(8, offset=16), batch_size=4)
+    with pytest.warns(UserWarning, match="saved by 2 rank"):
+        expected = _kiln_logits(zero3_run / "ck" / "last", loader)
+    loaded.eval()
+    with torch.no_grad():
+        logits = torch.cat([loaded(input_ids=b["input_ids"]).logits for b in loader])
+    assert torch.equal(logits, expected)
+    # a merged checkpoint of the same run exports the same folder
+    merged = tmp_path / "merged.pt"
+    assert kiln_main(["checkpoint", "merge", str(zero3_run / "ck" / "last"), str(merged)]) == 0
+    assert kiln_main(["checkpoint", "export", str(merged), "--hf", str(tmp_path / "hf2")]) == 0
+    assert (tmp_path / "hf2" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert (tmp_path / "hf2" / "config.json").read_text() == (out / "config.json").read_text()
+
+
+def _plain_checkpoint(root: Path) -> tuple[Path, LlamaForCausalLM]:
+    """A checkpoint of the transformers model itself (trained with criterion=): no config in it."""
+    from torch.utils.data import DataLoader
+
+    model = make_llama(num_hidden_layers=2)
+    pairs = [(w["input_ids"], w["labels"]) for w in ByteWindows(4)]
+    trainer = kiln.Trainer(
+        model,
+        criterion=lambda out, labels: F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()),
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_dataloader=DataLoader(pairs, batch_size=2),
+        max_duration="1ba",
+        save_folder=str(root / "ck"),
+        save_interval="1ba",
+        save_type="merged",
+        progress_bar=False,
+    )
+    trainer.fit()
+    return root / "ck" / "last", model
+
+
+def test_export_without_a_config_in_the_checkpoint(tmp_path, capsys):
+    checkpoint, model = _plain_checkpoint(tmp_path)
+    out = tmp_path / "hf"
+    assert kiln_main(["checkpoint", "export", str(checkpoint), "--hf", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no Hugging Face config" in err and "--config" in err
+    assert not out.exists() and not list(tmp_path.glob("hf.tmp-*"))
+    model.config.save_pretrained(tmp_path / "cfg")
+    assert (
+        kiln_main(["checkpoint", "export", str(checkpoint), "--hf", str(out), "--config", str(tmp_path / "cfg")]) == 0
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    expected = model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+    # an existing OUT is never overwritten
+    assert (
+        kiln_main(["checkpoint", "export", str(checkpoint), "--hf", str(out), "--config", str(tmp_path / "cfg")]) == 2
+    )
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    checkpoint, model = _plain_checkpoint(tmp_path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(kiln.checkpoint.CheckpointError, match="could not be written"):
+        kiln.checkpoint.export_hf(checkpoint, tmp_path / "hf", config=model.config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

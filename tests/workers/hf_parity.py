@@ -1,0 +1,155 @@
+"""The tiny Llama (float64) under several strategies in one launch, each against one process.
+
+Usage: kiln run -n 4 hf_parity.py OUT CASE ... Every case trains a fresh ``HuggingFaceModel`` for
+``STEPS`` AdamW steps of a ``GLOBAL_BATCH``-sequence batch, each rank reading its data-parallel
+share, then evaluates it: the Trainer cases with ``Trainer.fit``/``Trainer.eval``, the ``engine_``
+cases with the Engine's four-line loop. Each rank also computes the one-process reference itself
+with a plain loop and no collective (the same model, data and AdamW). Rank 0 writes
+OUT/hf_parity.json: {case: {"losses", "ref_losses", "max_loss_diff", "eval", "ref_eval",
+"max_eval_diff", "seconds"}}, where a step's loss is the mean over data-parallel ranks of their
+batch losses (the loss of the whole batch: every batch has as many tokens).
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import kiln
+from hf_common import LAYERS, ByteWindows, batches, make_model
+from kiln.models import LanguagePerplexity
+from kiln.parallel import Hybrid, TensorParallel
+
+STEPS, GLOBAL_BATCH, EVAL_SAMPLES = 4, 8, 8
+
+CASES = {
+    "ddp": lambda: "ddp",
+    "zero1": lambda: "zero1",
+    "zero3": lambda: "zero3",
+    "tp": lambda: TensorParallel(),  # no plan: the model's own config.base_model_tp_plan
+    "zero3_tp": lambda: Hybrid(dp_shard=2, tp=2),
+    # 2 stages: a Llama's later stages all read the rotary embeddings stage 0 computes, a skip
+    # connection torch.distributed.pipelining cannot run backward through (kiln says so)
+    "pp": lambda: Hybrid(pp=2, dp_replicate=2, dp_shard=1, split_points=LAYERS[2:3], microbatches=2),
+    "engine_zero3_tp": lambda: Hybrid(dp_shard=2, tp=2),
+}
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def eval_batch():
+    return batches(1, EVAL_SAMPLES, offset=STEPS * GLOBAL_BATCH)[0]
+
+
+def reference():
+    """One process, no kiln in the loop: each step's loss, then the evaluation's loss and perplexity."""
+    model = make_model()
+    opt = optimizer(model)
+    losses = []
+    for batch in batches(STEPS, GLOBAL_BATCH):
+        opt.zero_grad()
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    batch = eval_batch()
+    with torch.no_grad():
+        out = model(batch)
+    ppl = LanguagePerplexity()
+    ppl.update(out.logits[:, :-1], batch["labels"][:, 1:])
+    return losses, {"eval/loss": out.loss.item(), "eval/LanguagePerplexity": ppl.compute().item()}
+
+
+class LossLog(kiln.Callback):
+    def __init__(self) -> None:
+        self.losses = []
+
+    def batch_end(self, state, logger):
+        self.losses.append(float(state.loss.detach()))
+
+
+def run_trainer(strategy):
+    model = make_model()
+    log = LossLog()
+    trainer = kiln.Trainer(
+        model,
+        optimizers=optimizer(model),
+        strategy=strategy,
+        max_duration=f"{STEPS}ba",
+        callbacks=[log],
+        progress_bar=False,
+        seed=0,
+    )
+    per_rank = GLOBAL_BATCH // trainer.engine.data_parallel_size
+    trainer.fit(train_dataloader=DataLoader(ByteWindows(STEPS * GLOBAL_BATCH), batch_size=per_rank))
+    metrics = trainer.eval(DataLoader(ByteWindows(EVAL_SAMPLES, offset=STEPS * GLOBAL_BATCH), batch_size=per_rank))
+    return log.losses, metrics
+
+
+def run_engine(strategy):
+    """The Engine's loop: ``loss = engine.criterion(engine(batch), batch)``, with the model's own loss."""
+    model = make_model()
+    engine = kiln.Engine(model, optimizer(model), model.loss, strategy=strategy)
+    rank, size = engine.data_parallel_rank, engine.data_parallel_size
+
+    def share(batch):
+        return {k: v.chunk(size)[rank] for k, v in batch.items()}
+
+    losses = []
+    for batch in batches(STEPS, GLOBAL_BATCH):
+        mine = share(batch)
+        engine.zero_grad()
+        loss = engine.criterion(engine(mine), mine)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.eval()
+    with torch.no_grad():
+        mine = share(eval_batch())
+        loss = engine.criterion(engine(mine), mine).item()
+    return losses, {"eval/loss": mean_over_ranks([loss], dist.get_world_size())[0]}
+
+
+def mean_over_ranks(values, world):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
+def main():
+    out, cases = sys.argv[1], sys.argv[2:]
+    ctx = kiln.launch_from_torch(seed=0)
+    ref_losses, ref_eval = reference()
+    results = {}
+    for name in cases:
+        start = time.perf_counter()
+        run = run_engine if name.startswith("engine_") else run_trainer
+        losses, metrics = run(CASES[name]())
+        # every rank of a tensor-parallel group or pipeline has its group's loss: the mean over all
+        # ranks is the mean over data-parallel ranks
+        losses = mean_over_ranks(losses, ctx.world_size)
+        results[name] = {
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "eval": metrics,
+            "ref_eval": ref_eval,
+            "max_eval_diff": max(abs(metrics[k] - ref_eval[k]) for k in metrics),
+            "seconds": time.perf_counter() - start,
+        }
+    if ctx.rank == 0:
+        with open(os.path.join(out, "hf_parity.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
