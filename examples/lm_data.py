@@ -45,6 +45,14 @@ class StdlibText(torch.utils.data.Dataset):
             )
         self.windows = tokens[: count * seq_len].view(count, seq_len)
 
+    @classmethod
+    def from_stdlib(cls, seq_len: int = 128, split: str = "train", max_bytes: int | None = 4_000_000) -> StdlibText:
+        """One split of :func:`stdlib_text` (the config CLI builds datasets from a type and arguments)."""
+        if split not in ("train", "val"):
+            raise ValueError(f"split={split!r}: expected 'train' or 'val'")
+        train, val = stdlib_text(seq_len, max_bytes)
+        return train if split == "train" else val
+
     def __len__(self) -> int:
         return len(self.windows)
 

@@ -35,7 +35,6 @@ from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
-from kiln.optim.implementation import apply_default_implementation
 from kiln.parallel.parallelize import ParallelizeOptions
 from kiln.parallel.strategy import Strategy, get_strategy
 from kiln.precision import Precision, get_precision, precision_from_config
@@ -114,8 +113,6 @@ class Engine:
             )
         self.strategy.configure(gradient_accumulation=gradient_accumulation, clip_grad_norm=clip_grad_norm)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
-        # fused/foreach steps where the user chose neither: after setup, which placed and sharded the parameters
-        apply_default_implementation(self.optimizer)
         # which batch this rank reads: tensor and pipeline groups share one
         self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion

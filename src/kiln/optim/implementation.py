@@ -129,7 +129,7 @@ def apply_default_implementation(optimizer: Any) -> dict[Implementation, int]:
     Example::
 
         engine, *_ = kiln.initialize(model, torch.optim.AdamW(model.parameters()))
-        apply_default_implementation(engine.optimizer)   # the Engine does this itself
+        apply_default_implementation(engine.optimizer)   # the Trainer does this itself
     """
     cls, groups, direct = _torch_optimizer(optimizer)
     chosen: dict[Implementation, int] = {}

@@ -16,6 +16,7 @@ from torch import nn
 from kiln.core.model import Model
 from kiln.engine import Engine
 from kiln.launch.context import Context, resolve_device
+from kiln.optim.implementation import apply_default_implementation
 from kiln.trainer.options import LeverOptions
 
 __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
@@ -72,6 +73,8 @@ def build_engine(
         float8=levers.float8 if levers is not None else None,
         ctx=ctx,
     )
+    # fused/foreach steps where the user chose neither: after setup, which placed and sharded the parameters
+    apply_default_implementation(engine.optimizer)
     return engine
 
 
