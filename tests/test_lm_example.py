@@ -42,7 +42,7 @@ def test_python_example_zero3_x_tp_compiled_and_checkpointed(tmp_path):
 @pytest.mark.world_size(2)
 def test_yaml_twin_trains_under_the_config_cli(tmp_path):
     overrides = [
-        "--nproc-per-node", "2", "--compute_config.runtime_ngpus", "2", "--compute_config.tp", "2",
+        "--nproc-per-node", "2", "--compute_config.tp", "2",
         "--compile", "false", "--max_train_steps", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
         "--dataset.train_args.seq_len", "32", "--dataset.val_args.seq_len", "32",
         "--dataset.train_args.max_bytes", "40000", "--dataset.val_args.max_bytes", "40000",
