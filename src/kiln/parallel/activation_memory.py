@@ -109,38 +109,18 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def checkpointed_modules(model: nn.Module, activation_checkpointing: Any) -> tuple[list[str], bool]:
-    """(names of the modules ``activation_checkpointing`` wraps, whether it keeps matmul outputs).
-
-    The same choice as :class:`kiln.parallel.parallelize.ParallelizeOptions` makes: ``"full"``
-    every block, ``"selective:N"`` every Nth, ``"selective"`` every block keeping the matmul
-    outputs, a callable the outermost modules it accepts.
-    """
+    """(names of the modules ``activation_checkpointing`` wraps, whether it keeps matmul outputs):
+    the choice the parallelize pipeline makes (:func:`kiln.parallel.levers.checkpoint_targets`)."""
+    from kiln.parallel.levers import checkpoint_every, checkpoint_targets
     from kiln.parallel.parallelize import find_blocks
 
     mode = activation_checkpointing
     if mode is None:
         return [], False
-    if callable(mode):
-        names = [name for name, module in model.named_modules() if name and mode(module)]
-        save_matmuls = False
-    else:
-        head, _, every = str(mode).partition(":")
-        if mode == "full" or (head == "selective" and every in ("", "op")):
-            step, save_matmuls = 1, mode != "full"
-        elif head == "selective" and every.isdigit() and int(every) >= 1:
-            step, save_matmuls = int(every), False
-        else:
-            raise ValueError(
-                f"activation_checkpointing={mode!r} must be 'full', 'selective', 'selective:N' or a callable"
-            )
-        names = [name for index, name in enumerate(find_blocks(model), 1) if index % step == 0]
-    outermost = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
-    if not outermost:
-        raise ValueError(
-            f"activation_checkpointing={mode!r} chooses no module of {type(model).__name__} (no indexed "
-            "blocks like layers.0); pass a callable fn(module) -> bool"
-        )
-    return outermost, save_matmuls
+    every = None if callable(mode) else checkpoint_every(mode)
+    if not callable(mode) and every is None:
+        raise ValueError(f"activation_checkpointing={mode!r} must be 'full', 'selective', 'selective:N' or a callable")
+    return checkpoint_targets(model, mode, find_blocks(model)), every == 0
 
 
 @contextlib.contextmanager
