@@ -1,10 +1,12 @@
 """Checkpoints written while training continues (``save_async=True``), on DCP's ``async_save``.
 
 The training thread pays only for copying the tensors to CPU memory (DCP's staging) and writing
-the small per-rank training state. The tensors are written by DCP's background thread; the commit
-(checksums, manifest, rename, ``last``) runs on rank 0 after DCP's coordinator has collected every
-rank's write results, which is exactly "all ranks finished": a checkpoint never becomes visible
-while any rank is still writing, and a failure on any rank leaves only a temporary folder.
+the small per-rank training state. The tensors are written (uploaded, on object stores) by DCP's
+background thread, hashed as they go; once DCP's coordinator has collected every rank's write
+results, which is exactly "all ranks finished", every rank's background thread hands its files'
+checksums to rank 0 over the same dedicated group, and rank 0 commits (manifest, rename or
+nothing more on object stores, ``last``). A checkpoint never becomes visible while any rank is
+still writing, and a failure on any rank leaves only debris.
 
 (The module is not called ``async``: that is a Python keyword and could not be imported.)
 """
@@ -12,8 +14,7 @@ while any rank is still writing, and a failure on any rank leaves only a tempora
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kiln.checkpoint import collectives
@@ -26,23 +27,52 @@ __all__ = ["AsyncCheckpoint", "start_async_save"]
 class AsyncCheckpoint:
     """A checkpoint being written in the background; ``wait()`` for it, ``done()`` to poll."""
 
-    def __init__(self, job: SaveJob, future: Any, update_last: bool, on_commit: Callable[[Path], None] | None) -> None:
+    def __init__(
+        self,
+        job: SaveJob,
+        future: Any,
+        update_last: bool,
+        on_commit: Callable[[Any], None] | None,
+        group: Any = None,
+    ) -> None:
         self.job = job
         self.name = job.name
         self._future = future
+        self._group = group
         self._update_last = update_last
         self._on_commit = on_commit
         self._error: BaseException | None = None
-        self.path: Path | None = None
+        self.path: Any = None
         # Not a daemon: an interpreter exiting right after fit() still finishes the checkpoint.
         self._thread = threading.Thread(target=self._finish, name=f"kiln-checkpoint-{job.name}")
         self._thread.start()
 
     def _finish(self) -> None:
         try:
-            self._future.result()
+            written: Any = None
+            try:
+                try:
+                    self._future.result()
+                finally:
+                    self.job.log.check()  # the failure as it was raised, also one DCP's threads dropped
+                written = self.job.log.records
+            except BaseException as exc:
+                written = self.job.write_failure(exc).problem
+            # Every rank takes part, failed or not, so that no rank waits here forever.
+            everyone = collectives.all_gather_object(written, self._group)
+            failed = [(rank, part) for rank, part in enumerate(everyone) if not isinstance(part, dict)]
+            if failed:
+                rank, problem = failed[0]
+                raise CheckpointError(
+                    self.job.tmp,
+                    f"the background save failed on rank {rank}: {problem}",
+                    "check free space and permissions of the save folder; the previous checkpoint is intact",
+                )
             if self.job.rank == 0:
-                self.path = self.job.commit(None, self._update_last)
+                files: dict[str, Any] = {}
+                for part in everyone:
+                    files.update(part)
+                self.path = self.job.commit(files, self._update_last)
                 if self._on_commit is not None:
                     self._on_commit(self.path)
         except BaseException as exc:  # reported by wait(), in the training thread
@@ -65,14 +95,15 @@ class AsyncCheckpoint:
 
 
 def start_async_save(
-    folder: str | Path,
+    folder: Any,
     state: Any,
     save_type: str,
     *,
     name: str | None = None,
     metrics: dict[str, Any] | None = None,
     update_last: bool = True,
-    on_commit: Callable[[Path], None] | None = None,
+    on_commit: Callable[[Any], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> AsyncCheckpoint:
     """Stage ``state`` and write it in the background; every rank calls this at the same point.
 
@@ -84,6 +115,6 @@ def start_async_save(
             "assembled on rank 0 and cannot be written in the background"
         )
     group = collectives.gloo_group("async-save")  # DCP's collectives run in a background thread
-    job = SaveJob(folder, state, save_type, name, metrics)
+    job = SaveJob(folder, state, save_type, name, metrics, storage_options)
     future = job.write(state, asynchronous=True, group=group)
-    return AsyncCheckpoint(job, future, update_last, on_commit)
+    return AsyncCheckpoint(job, future, update_last, on_commit, group)

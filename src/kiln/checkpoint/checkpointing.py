@@ -3,29 +3,31 @@
 Saving, on every rank::
 
     rank 0 picks the temporary name (ep3-ba120.tmp-<nonce>) and creates the folder
-    every rank writes its files (kiln.checkpoint.formats)                 -- fsynced by the writer
-    every rank hashes its share of the files; the hashes are gathered
+    every rank writes its files (kiln.checkpoint.formats), hashing them   -- fsynced by the writer
+    as it writes; the hashes are gathered
     rank 0 writes manifest.json, renames the folder, points `last` at it  -- the commit
     every rank returns once the checkpoint is visible
 
-A failure on any rank is raised on every rank (nobody waits forever in a collective), and a crash
-at any point leaves only ``*.tmp-*`` debris next to the previous, intact checkpoints.
+On object stores (a URL save folder, see kiln.checkpoint.storage) the files go straight into
+``ep3-ba120`` and the manifest, written last, is the commit; ``last`` is a pointer object.
 
-The save folder must be one filesystem that every rank sees (as DCP assumes), and one run writes
+A failure on any rank is raised on every rank (nobody waits forever in a collective), and a crash
+at any point leaves only debris next to the previous, intact checkpoints.
+
+The save folder must be one storage that every rank sees (as DCP assumes), and one run writes
 into a save folder at a time: a starting run removes the temporary debris it finds there.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from kiln.checkpoint import collectives, layout
 from kiln.checkpoint.errors import CheckpointError
@@ -39,8 +41,10 @@ from kiln.checkpoint.formats import (
     read_training_state,
     write_checkpoint_files,
 )
+from kiln.checkpoint.hashing import Records, WriteLog
 from kiln.checkpoint.serialization import check_dcp_bytes, read_dcp_metadata
 from kiln.checkpoint.state import run_config
+from kiln.checkpoint.storage import as_path, storage_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
 
@@ -50,69 +54,70 @@ class SaveJob:
 
     def __init__(
         self,
-        folder: str | os.PathLike,
+        folder: Any,
         state: Any,
         save_type: str,
         name: str | None = None,
         metrics: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.folder = Path(folder)
+        self.folder = as_path(folder, storage_options)
+        self.storage = storage_of(self.folder)
         self.save_type = check_save_type(save_type)
         self.rank, self.world = collectives.rank_and_world()
         ts = state.timestamp
         self.name = name or layout.checkpoint_name(ts.epoch.value, ts.batch.value)
         nonce = collectives.broadcast_object(uuid.uuid4().hex[:12])  # one temporary name on every rank
-        self.tmp = self.folder / layout.temporary_name(self.name, nonce)
+        self.tmp = self.storage.staging(self.folder, self.name, nonce)
         self.final = self.folder / self.name
         self.manifest = _manifest(self.name, state, save_type, self.world, metrics)
+        self.log = WriteLog()  # this rank's files: sha256 and size, taken while writing
 
     def write(self, state: Any, asynchronous: bool = False, group: Any = None) -> Any:
         """Create the temporary folder and write this rank's files; a DCP future when asynchronous."""
         error = None
         if self.rank == 0:
             try:
-                self.tmp.mkdir(parents=True)
-            except OSError as exc:
+                self.storage.prepare(self.tmp)
+            except Exception as exc:  # OSError locally; an object store's client raises its own
                 error = CheckpointError(self.tmp, f"cannot be created ({exc})", "check the save folder is writable")
         collectives.raise_together(error)
         try:
-            return write_checkpoint_files(self.tmp, state, self.save_type, asynchronous, group)
+            future, self.log = write_checkpoint_files(self.tmp, state, self.save_type, asynchronous, group)
+            return future
         except CheckpointError as exc:
             error = exc
-        except Exception as exc:  # disk full, permissions, a DCP failure: name the folder
-            error = CheckpointError(
-                self.tmp,
-                f"could not be written ({type(exc).__name__}: {exc})",
-                "check free space and permissions of the save folder",
-            )
+        except (Exception, CheckpointException) as exc:  # disk full, permissions, DCP's failure: name the folder
+            error = self.write_failure(exc)
         collectives.raise_together(error)
         return None
 
-    def commit_together(self, update_last: bool = True) -> Path:
-        """Every rank: hash a share of the files, then rank 0 writes the manifest and commits."""
-        collectives.barrier()  # every rank's files are complete before anyone lists them
-        error, hashes = None, {}
-        try:
-            hashes = layout.hash_files(self.tmp, layout.list_files(self.tmp)[self.rank :: self.world])
-        except OSError as exc:
-            error = CheckpointError(self.tmp, f"could not be read back for checksums ({exc})")
-        collectives.raise_together(error)
-        files: dict[str, Any] = {}
-        for part in collectives.all_gather_object(hashes):
+    def write_failure(self, exc: BaseException) -> CheckpointError:
+        return CheckpointError(
+            self.tmp,
+            f"could not be written ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})",
+            "check free space and permissions of the save folder; the previous checkpoint is intact",
+        )
+
+    def commit_together(self, update_last: bool = True) -> Any:
+        """Every rank: hand its files' checksums to rank 0, which writes the manifest and commits."""
+        files: Records = {}
+        for part in collectives.all_gather_object(self.log.records):  # also the barrier: every file is written
             files.update(part)
+        error = None
         if self.rank == 0:
             try:
                 self.commit(files, update_last)
-            except OSError as exc:
+            except Exception as exc:  # OSError locally; an object store's client raises its own
                 error = CheckpointError(
                     self.final, f"could not be committed ({exc})", "check the save folder is writable"
                 )
         collectives.raise_together(error)  # also the barrier: everyone returns once it is visible
         return self.final
 
-    def commit(self, files: dict[str, Any] | None = None, update_last: bool = True) -> Path:
-        """Rank 0 only: manifest (written last), atomic rename, then ``last``."""
-        if files is None:  # asynchronous saves hash everything here, in the background
+    def commit(self, files: Records | None = None, update_last: bool = True) -> Any:
+        """Rank 0 only: manifest (written last), the commit (a rename on the local disk), then ``last``."""
+        if files is None:  # every file's checksum, read back (when no records were taken)
             files = layout.hash_files(self.tmp, layout.list_files(self.tmp))
         layout.write_manifest(self.tmp, {**self.manifest, "files": files})
         layout.commit(self.tmp, self.final)
@@ -153,54 +158,59 @@ def _manifest(name: str, state: Any, save_type: str, world: int, metrics: Mappin
 
 
 def save_checkpoint(
-    folder: str | os.PathLike,
+    folder: Any,
     state: Any,
     save_type: str = "sharded",
     *,
     name: str | None = None,
     metrics: Mapping[str, Any] | None = None,
     update_last: bool = True,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Write a checkpoint of ``state`` into ``folder``; every rank must call it. Returns its path.
 
     Args:
-        folder: the save folder (created if needed); the checkpoint is ``folder/ep{E}-ba{B}``.
+        folder: the save folder (created if needed), a local path or an fsspec URL (``s3://bucket/run``);
+            the checkpoint is ``folder/ep{E}-ba{B}``.
         state: the kiln ``State`` (with ``state.engine`` for the wrapped model and optimizer).
         save_type: ``"sharded"``, ``"deduped"`` or ``"merged"`` (see :mod:`kiln.checkpoint.formats`).
         name: the folder name instead of ``ep{E}-ba{B}``.
         metrics: recorded in the manifest (default ``state.metrics``).
         update_last: point ``folder/last`` at the new checkpoint.
+        storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``, ...).
 
     Example::
 
         path = kiln.checkpoint.save_checkpoint("runs/a", trainer.state)
     """
-    job = SaveJob(folder, state, save_type, name, metrics)
+    job = SaveJob(folder, state, save_type, name, metrics, storage_options)
     job.write(state)
     return job.commit_together(update_last)
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
+    path: Any,
     state: Any,
     *,
-    folder: str | os.PathLike | None = None,
+    folder: Any = None,
     strict: bool = True,
     verify: bool = True,
     restore_rng: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``state`` for an exact resume; every rank must call it. Returns its manifest.
 
     Args:
         path: a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), a save folder, or a
             ``.pt``/``.pth`` file from ``kiln checkpoint merge`` (no manifest checksums: only its
-            structure is checked).
+            structure is checked); a local path or an fsspec URL.
         state: the kiln ``State`` to restore (model, optimizer, schedulers, scaler, timestamp, RNG,
             the training loader's position, callbacks, algorithms).
         folder: where ``"last"``/``"best"`` live.
         strict: every model tensor must be in the checkpoint and vice versa (shapes must always match).
         verify: check every file's sha256 (each rank checks a share); False checks only sizes.
         restore_rng: restore this rank's RNG states (only possible on the world size it was saved with).
+        storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``, ...).
 
     Raises:
         CheckpointError: naming the file and the problem, on every rank.
@@ -210,13 +220,13 @@ def load_checkpoint(
     found: Any = None
     if rank == 0:  # one rank resolves links, so every rank loads the same checkpoint
         try:
-            found = str(layout.resolve_checkpoint(folder, path))
+            found = layout.resolve_checkpoint(folder, path, storage_options=storage_options)
         except CheckpointError as exc:
             found = exc
-    found = collectives.broadcast_object(found)
+    found = collectives.broadcast_object(found)  # a Path, or a RemotePath (which pickles with its options)
     if isinstance(found, CheckpointError):
         raise found
-    resolved = Path(found)
+    resolved = found
     merged = None
     try:
         if resolved.is_file():  # every rank reads a merged file whole, as it reads a merged checkpoint.pt
@@ -227,6 +237,8 @@ def load_checkpoint(
                 raise CheckpointError(
                     resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}"
                 )
+            # Each rank checks a share, before anything is loaded: nothing changes in the state
+            # unless every file matches (the share's files are hashed in parallel threads).
             layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
     except CheckpointError as exc:
         error = exc
@@ -246,7 +258,9 @@ def load_checkpoint(
     return manifest
 
 
-def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> dict[str, Any]:
+def verify_checkpoint(
+    path: Any, *, checksums: bool = True, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Check a checkpoint folder: complete, known format version, every file's size and sha256, and
     that every pickled part (``.metadata``, each non-tensor entry of the ``.distcp`` files, the
     ``.pt`` files) loads without running code. Returns the manifest; raises CheckpointError.
@@ -259,7 +273,9 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> dic
 
         kiln.checkpoint.verify_checkpoint("runs/a/last")   # or: kiln checkpoint verify runs/a/last
     """
-    path = Path(path)
+    path = as_path(path, storage_options)
+    if path.name in layout.LINKS and not storage_of(path).renames:
+        path = layout.resolve_checkpoint(None, path)  # a pointer object on an object store: what it names
     if path.is_file():
         return read_merged_file(path)[0]
     manifest = layout.read_manifest(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 __all__ = ["CheckpointError"]
 
@@ -14,7 +15,7 @@ class CheckpointError(RuntimeError):
     user never has to read a traceback from deep inside torch to learn that a download was cut short.
 
     Attributes:
-        path: the file or folder at fault.
+        path: the file or folder at fault (a local path or a URL).
         problem: what is wrong with it.
         fix: what to do about it (may be empty).
 
@@ -26,7 +27,7 @@ class CheckpointError(RuntimeError):
             print(err.path, err.problem)
     """
 
-    def __init__(self, path: str | os.PathLike, problem: str, fix: str = "") -> None:
+    def __init__(self, path: str | os.PathLike | Any, problem: str, fix: str = "") -> None:
         self.path = str(path)
         self.problem = problem
         self.fix = fix

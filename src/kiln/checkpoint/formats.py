@@ -29,11 +29,12 @@ import torch
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.layout import check_manifest, write_durably
+from kiln.checkpoint.hashing import HashingStream, WriteLog, record_writes
+from kiln.checkpoint.layout import check_manifest
 from kiln.checkpoint.serialization import (
-    SafeFileSystemReader,
     SafeLoadPlanner,
     dcp_failure,
+    dcp_reader,
     read_dcp_metadata,
     safe_torch_load,
 )
@@ -43,6 +44,7 @@ from kiln.checkpoint.state import (
     restore_training_state,
     serialize_training_state,
 )
+from kiln.checkpoint.storage import as_path, sha256_bytes, storage_of
 
 __all__ = [
     "SAVE_TYPES",
@@ -66,7 +68,10 @@ warnings.filterwarnings(
 )
 MERGED_FILE = "checkpoint.pt"
 MERGED_SUFFIXES = (".pt", ".pth")  # a checkpoint that is one file (kiln checkpoint merge SRC DST.pt)
-_WRITE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+# Files each rank writes at once (and so hashes at once): two keep a disk busy while a core hashes
+# and serializes; object stores get more, each upload mostly waiting on the network.
+_WRITE_THREADS = max(2, min(4, (os.cpu_count() or 1) // 2))
+_UPLOAD_THREADS = 4
 
 
 def training_state_file(rank: int) -> str:
@@ -80,45 +85,56 @@ def check_save_type(save_type: str) -> str:
 
 
 # -- writing ------------------------------------------------------------------------------------
-def dcp_writer_and_planner(folder: Path, save_type: str) -> tuple[Any, Any]:
-    from torch.distributed.checkpoint import FileSystemWriter
+def dcp_writer_and_planner(folder: Any, save_type: str) -> tuple[Any, Any]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    # sync_files: each rank fsyncs what it wrote before DCP reports it done, so the commit that
-    # follows never publishes bytes still in a page cache.
-    # thread_count: a rank writes (and later hashes) a few files at once, which keeps fast disks busy.
-    writer = FileSystemWriter(
-        folder, single_file_per_rank=True, sync_files=True, overwrite=True, thread_count=_WRITE_THREADS
-    )
+    folder = as_path(folder)
+    storage = storage_of(folder)
+    # thread_count: a rank writes (and hashes, see kiln.checkpoint.hashing) a few files at once.
+    writer = storage.dcp_writer(folder, _WRITE_THREADS if storage.renames else _UPLOAD_THREADS)
     return writer, DefaultSavePlanner(dedup_save_to_lowest_rank=save_type == "deduped")
 
 
 def write_checkpoint_files(
-    folder: Path, state: Any, save_type: str, asynchronous: bool = False, group: Any = None
-) -> Any:
+    folder: Any, state: Any, save_type: str, asynchronous: bool = False, group: Any = None
+) -> tuple[Any, WriteLog]:
     """Write this rank's part of a checkpoint into ``folder`` (every rank calls this).
 
-    ``asynchronous`` (DCP types only): the tensors are copied to CPU memory now and written in the
-    background, coordinating over ``group``; the DCP future is returned. Otherwise returns None
-    once everything is on disk.
+    Returns ``(future, log)``: the log holds the sha256 and size of each file this rank wrote,
+    taken while writing, and any failure (see :class:`kiln.checkpoint.hashing.WriteLog`).
+    ``asynchronous`` (DCP types only): the tensors are copied to CPU memory now and written in
+    the background, coordinating over ``group``; the DCP future is returned, and the log is
+    complete once it is done. Otherwise the future is None and everything is written.
     """
     from torch.distributed.checkpoint import async_save, save
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    folder = as_path(folder)
     rank, world = collectives.rank_and_world()
     training_state = serialize_training_state(state)
+    log = WriteLog()
     if save_type == "merged":
-        _write_merged(folder, state, training_state, rank)
-        return None
-    write_durably(folder / training_state_file(rank), training_state)
+        _write_merged(folder, state, training_state, rank, log)
+        return None, log
+    name = training_state_file(rank)
+    storage_of(folder).write_durably(folder / name, training_state)
+    log.add(name, {"sha256": sha256_bytes(training_state), "bytes": len(training_state)})
     tensors = model_optimizer_state(state)
     writer, planner = dcp_writer_and_planner(folder, save_type)
+    record_writes(writer, log)
     if asynchronous:
-        return async_save(tensors, storage_writer=writer, planner=planner, process_group=group, no_dist=world == 1)
-    save(tensors, storage_writer=writer, planner=planner, no_dist=world == 1)
-    return None
+        future = async_save(tensors, storage_writer=writer, planner=planner, process_group=group, no_dist=world == 1)
+        return future, log
+    try:
+        save(tensors, storage_writer=writer, planner=planner, no_dist=world == 1)
+    except CheckpointException:  # DCP's wrapper (a BaseException) of a failure the log holds as raised
+        log.check()
+        raise
+    log.check()  # a failure in one of DCP's writer threads, which DCP itself drops
+    return None, log
 
 
-def _write_merged(folder: Path, state: Any, training_state: bytes, rank: int) -> None:
+def _write_merged(folder: Any, state: Any, training_state: bytes, rank: int, log: WriteLog) -> None:
     # Full state dicts are a collective under FSDP and ZeRO: every rank takes part, rank 0 writes.
     tensors = model_optimizer_state(state, full=True)
     everyone = collectives.all_gather_object(training_state)
@@ -129,19 +145,24 @@ def _write_merged(folder: Path, state: Any, training_state: bytes, rank: int) ->
         "optimizer": tensors.get("optimizer"),
         "ranks": [torch.load(io.BytesIO(b), weights_only=True) for b in everyone],
     }
-    with open(folder / MERGED_FILE, "wb") as f:  # straight to the file: no second copy in memory
-        torch.save(merged, f)
+    file = folder / MERGED_FILE
+    local = isinstance(file, Path)
+    with open(file, "wb") if local else file.open("wb") as f:  # straight to the file: no second copy in memory
+        stream = HashingStream(f, MERGED_FILE)
+        torch.save(merged, stream)  # type: ignore[arg-type]  # a write-only stream is all torch.save needs
         f.flush()
-        os.fsync(f.fileno())
+        if local:
+            os.fsync(f.fileno())
+    log.add(MERGED_FILE, stream.record())
 
 
 # -- reading ------------------------------------------------------------------------------------
-def read_merged(file: Path) -> dict[str, Any]:
+def read_merged(file: Any) -> dict[str, Any]:
     """A merged checkpoint's dictionary (``checkpoint.pt`` or a merged file), its structure checked."""
     return _check_merged(file, safe_torch_load(file, mmap=True))
 
 
-def _check_merged(file: Path, merged: Any) -> dict[str, Any]:
+def _check_merged(file: Any, merged: Any) -> dict[str, Any]:
     if not isinstance(merged, dict) or not isinstance(merged.get("model"), dict):
         raise CheckpointError(
             file,
@@ -158,7 +179,7 @@ def _check_merged(file: Path, merged: Any) -> dict[str, Any]:
     return merged
 
 
-def read_merged_file(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_merged_file(file: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(manifest, merged)`` of a checkpoint that is one ``.pt``/``.pth`` file."""
     if file.suffix not in MERGED_SUFFIXES:
         raise CheckpointError(
@@ -182,7 +203,7 @@ def read_merged_file(file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return manifest, merged
 
 
-def read_training_state(file: Path) -> dict[str, Any]:
+def read_training_state(file: Any) -> dict[str, Any]:
     training = safe_torch_load(file)
     if not isinstance(training, dict):
         raise CheckpointError(file, f"is damaged: it holds a {type(training).__name__}, not a rank's training state")
@@ -190,7 +211,7 @@ def read_training_state(file: Path) -> dict[str, Any]:
 
 
 def read_checkpoint_files(
-    path: Path,
+    path: Any,
     manifest: Mapping[str, Any],
     state: Any,
     strict: bool = True,
@@ -240,7 +261,7 @@ def read_checkpoint_files(
     )
 
 
-def _guarded(source: str | Path, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def _guarded(source: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args)``, with any failure other than a CheckpointError reported as one naming ``source``.
 
     A file whose bytes unpickle can still hold content that does not fit: damage that happens to
@@ -287,14 +308,14 @@ def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
                 values[key] = value
 
 
-def _dcp_load(path: Path, target: dict[str, Any], strict: bool, world: int) -> None:
+def _dcp_load(path: Any, target: dict[str, Any], strict: bool, world: int) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         load(
             target,
-            storage_reader=SafeFileSystemReader(path),
+            storage_reader=dcp_reader(path),
             planner=SafeLoadPlanner(allow_partial_load=not strict),
             no_dist=world == 1,
         )
@@ -312,7 +333,7 @@ def _flat_shapes(tensors: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _check_shapes(
-    source: Path, saved: Mapping[str, tuple[int, ...]], state: Any, strict: bool, has_optimizer: bool
+    source: Any, saved: Mapping[str, tuple[int, ...]], state: Any, strict: bool, has_optimizer: bool
 ) -> dict[str, Any]:
     """The load target for ``state``, after checking the saved tensors fit it; one clear error if not.
 

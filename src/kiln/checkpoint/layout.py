@@ -8,14 +8,17 @@
                                  metrics, the sha256 and size of every other file, and the sha256
                                  of its own content (manifest_sha256)
         ...                      the files of the save type (see kiln.checkpoint.formats)
-      last -> ep3-ba120          relative symlinks (a copy where links are impossible)
-      best -> ep2-ba80
+      last -> ep3-ba120          relative symlinks (a copy where links are impossible; a small
+      best -> ep2-ba80           pointer object on object stores)
 
-Everything here is plain filesystem work on one process; kiln.checkpoint.checkpointing decides
-which rank does what. Crash safety comes from three rules: nothing without a manifest is a
-checkpoint, a folder only gets its final name by one ``rename``, and links are replaced by one
-``rename`` of a new link over the old one. A crash at any moment therefore leaves either the old
-or the new state, plus ``*.tmp-*`` debris that is ignored and later removed.
+Everything here is storage work on one process; kiln.checkpoint.checkpointing decides which rank
+does what. The save folder is a local path or an fsspec URL; what differs between the two (rename
+or manifest-last commit, symlinks or pointer objects) is in :mod:`kiln.checkpoint.storage`. Crash
+safety comes from one rule on every storage: nothing without a manifest is a checkpoint, and the
+manifest is written after every other file. On the local disk a folder also only gets its final
+name by one ``rename``, and links are replaced by one ``rename`` of a new link over the old one. A
+crash at any moment therefore leaves either the old or the new state, plus debris (``*.tmp-*``, or
+on object stores a folder without a manifest) that is ignored and later removed.
 """
 
 from __future__ import annotations
@@ -23,14 +26,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.storage import (
+    MANIFEST,
+    TMP,
+    RemotePath,
+    as_path,
+    fsync_dir,
+    is_temporary,
+    storage_of,
+    temporary_name,
+)
 
 __all__ = [
     "check_num_checkpoints_to_keep",
@@ -40,6 +51,7 @@ __all__ = [
     "MANIFEST_CHECKSUM",
     "LINKS",
     "checkpoint_name",
+    "TMP",
     "is_temporary",
     "temporary_name",
     "sha256_file",
@@ -59,14 +71,13 @@ __all__ = [
     "remove_checkpoint",
     "cleanup_temporary",
     "verify_files",
+    "start_checksums",
     "resolve_checkpoint",
 ]
 
 FORMAT_NAME = "kiln-checkpoint"
 FORMAT_VERSION = 1  # bump when a reader of the old version could not load the new layout
-MANIFEST = "manifest.json"
 MANIFEST_CHECKSUM = "manifest_sha256"
-TMP = ".tmp-"
 LINKS = ("last", "best")
 _CHUNK = 16 << 20  # hashlib releases the GIL on large buffers, so big chunks also let training run
 
@@ -76,17 +87,21 @@ def checkpoint_name(epoch: int, batch: int) -> str:
     return f"ep{int(epoch)}-ba{int(batch)}"
 
 
-def is_temporary(name: str) -> bool:
-    return TMP in name
-
-
-def temporary_name(name: str, nonce: str | None = None) -> str:
-    return f"{name}{TMP}{nonce or uuid.uuid4().hex[:12]}"
-
-
 # -- durable files ------------------------------------------------------------------------------
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: Any) -> str:
+    path = as_path(path)
     digest = hashlib.sha256()
+    if isinstance(path, RemotePath):
+        # Ranged reads, no file object: one may be shared between threads (memory:// hands every
+        # reader the same one), and a load reads the same file meanwhile.
+        size, start = path.stat().st_size, 0
+        while start < size:
+            chunk = path.fs.cat_file(path.path, start=start, end=min(size, start + 4 * _CHUNK))
+            if not chunk:
+                break
+            digest.update(chunk)
+            start += len(chunk)
+        return digest.hexdigest()
     with open(path, "rb", buffering=0) as f:
         buffer = bytearray(_CHUNK)
         view = memoryview(buffer)
@@ -95,40 +110,25 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def write_durably(path: str | os.PathLike, data: bytes) -> None:
-    """Write and fsync: a rename that makes the folder visible must never expose unflushed bytes."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def write_durably(path: Any, data: bytes) -> None:
+    """Write ``data`` so that it survives a crash (write + fsync, or one PUT on object stores): a
+    commit that makes the folder visible must never expose unflushed bytes."""
+    path = as_path(path)
+    storage_of(path).write_durably(path, data)
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Persist a folder's entries (new names, renames); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def list_files(root: str | os.PathLike) -> list[str]:
+def list_files(root: Any) -> list[str]:
     """Every file under ``root`` except the manifest, as sorted relative POSIX paths."""
-    root = Path(root)
+    root = as_path(root)
     names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
     return sorted(n for n in names if n != MANIFEST)
 
 
-def hash_files(root: str | os.PathLike, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+def hash_files(root: Any, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """sha256 and size of each file; files are hashed in parallel threads (hashlib releases the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    root, names = Path(root), list(names)
+    root, names = as_path(root), list(names)
     workers = max(1, min(len(names), os.cpu_count() or 1, 8))
     with ThreadPoolExecutor(workers) as pool:
         digests = list(pool.map(lambda n: sha256_file(root / n), names))
@@ -136,11 +136,12 @@ def hash_files(root: str | os.PathLike, names: Iterable[str]) -> dict[str, dict[
 
 
 # -- manifest -----------------------------------------------------------------------------------
-def write_manifest(folder: str | os.PathLike, manifest: dict[str, Any]) -> None:
+def write_manifest(folder: Any, manifest: dict[str, Any]) -> None:
     """Write ``folder/manifest.json`` with its own checksum (any earlier one is replaced)."""
+    folder = as_path(folder)
     plain = json.loads(json.dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}, default=_json_default))
     plain[MANIFEST_CHECKSUM] = _manifest_digest(plain)
-    write_durably(Path(folder) / MANIFEST, json.dumps(plain, indent=2, sort_keys=True).encode())
+    write_durably(folder / MANIFEST, json.dumps(plain, indent=2, sort_keys=True).encode())
     fsync_dir(folder)
 
 
@@ -161,9 +162,9 @@ def _json_default(value: Any) -> Any:
     return str(value)  # the readable form (a Time is "10ep"): the manifest is for people and tools
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: Any) -> dict[str, Any]:
     """The manifest of the checkpoint folder ``path``; a CheckpointError if it is not a complete one."""
-    path = Path(path)
+    path = as_path(path)
     if not path.exists():
         raise CheckpointError(path, "does not exist", "check the path (a checkpoint is a folder such as ep3-ba120)")
     if not path.is_dir():
@@ -184,7 +185,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # FileNotFoundError: deleted meanwhile
         raise CheckpointError(
             file, f"is not valid JSON ({exc})", "the manifest is damaged; load an earlier checkpoint"
         ) from None
@@ -224,12 +225,17 @@ def _get(obj: Any, key: str) -> Any:
 
 
 def verify_files(
-    path: str | os.PathLike, manifest: dict[str, Any], names: Iterable[str] | None = None, checksums: bool = True
+    path: Any, manifest: dict[str, Any], names: Iterable[str] | None = None, checksums: bool = True
 ) -> None:
-    """Check that each listed file exists with its recorded size (and sha256); raise naming the first bad one."""
-    path = Path(path)
+    """Check that each listed file exists with its recorded size (and sha256); raise naming the first bad one.
+
+    Sizes are checked first, for every file; the checksums of several files are then computed in
+    parallel threads (hashlib releases the GIL), a large file's in one thread.
+    """
+    path = as_path(path)
     files = manifest["files"]
-    for name in sorted(files) if names is None else names:
+    names = sorted(files) if names is None else list(names)
+    for name in names:
         record = files[name]
         file = path / name
         if ".." in Path(name).parts or Path(name).is_absolute():
@@ -245,72 +251,69 @@ def verify_files(
                 f"is truncated or altered: {size} bytes, the manifest says {record.get('bytes')}",
                 "the copy or download was cut short; copy it again or load another checkpoint",
             )
-        if checksums and sha256_file(file) != record.get("sha256"):
-            raise CheckpointError(
-                file,
-                "is corrupt: its sha256 does not match the manifest",
-                "the file was damaged on disk or in transfer; copy it again or load another checkpoint",
-            )
+    if checksums:
+        start_checksums(path, manifest, names)()
+
+
+def start_checksums(path: Any, manifest: dict[str, Any], names: Iterable[str]) -> Any:
+    """Start computing the sha256 of the files ``names`` of checkpoint ``path`` in background
+    threads (hashlib releases the GIL), so that reading the checkpoint can go on meanwhile.
+
+    Returns ``finish()``: it waits, then raises a CheckpointError naming the first file whose sha256
+    does not match the manifest (or that could not be read).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, names = as_path(path), list(names)
+    pool = ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 8)), thread_name_prefix="kiln-sha256")
+    futures = [pool.submit(sha256_file, path / name) for name in names]
+    pool.shutdown(wait=False)
+
+    def finish() -> None:
+        pool.shutdown(wait=True)  # every thread gone when the load returns (a fork right after copies none)
+        for name, future in zip(names, futures):
+            try:
+                digest = future.result()
+            except OSError as exc:
+                raise CheckpointError(path / name, f"could not be read ({exc})", "load another checkpoint") from None
+            if digest != manifest["files"][name].get("sha256"):
+                raise CheckpointError(
+                    path / name,
+                    "is corrupt: its sha256 does not match the manifest",
+                    "the file was damaged on disk or in transfer; copy it again or load another checkpoint",
+                )
+
+    return finish
 
 
 # -- commit and links ---------------------------------------------------------------------------
-def commit(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Path:
-    """Give a finished temporary folder its final name with one atomic rename.
+def commit(tmp_dir: Any, final_dir: Any) -> Any:
+    """Make a finished save (its manifest written) visible under its final name.
 
-    An existing checkpoint of the same name (a run that resumed and saved the same step again) is
-    first renamed to a temporary name, so the old one stays whole until the new one is in place.
+    On the local disk: one atomic rename (an existing checkpoint of the same name, a run that
+    resumed and saved the same step again, is first renamed aside, so the old one stays whole until
+    the new one is in place). On object stores the save was written in its final folder and its
+    manifest was the commit.
     """
-    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
-    old = None
-    if final_dir.is_dir() and not final_dir.is_symlink():
-        old = final_dir.with_name(temporary_name(final_dir.name, "old-" + uuid.uuid4().hex[:8]))
-        os.rename(final_dir, old)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final_dir
+    tmp_dir, final_dir = as_path(tmp_dir), as_path(final_dir)
+    return storage_of(tmp_dir).commit(tmp_dir, final_dir)
 
 
-def update_link(folder: str | os.PathLike, link: str, target: str) -> None:
-    """Point ``folder/link`` at ``folder/target`` atomically: a relative symlink, else a copy."""
-    folder = Path(folder)
-    dst = folder / link
-    tmp = folder / temporary_name(link)
-    try:
-        os.symlink(target, tmp, target_is_directory=True)  # relative: the run folder stays movable
-    except (OSError, NotImplementedError):
-        shutil.copytree(folder / target, tmp, symlinks=True)  # filesystems without links
-    old = None
-    new_is_link = tmp.is_symlink()
-    if (dst.is_dir() and not dst.is_symlink()) or (dst.is_symlink() and not new_is_link):
-        # rename cannot put a link over a folder or a folder over a link: move the old one aside
-        # (for a moment there is no `last`; resolve_checkpoint then falls back to the newest)
-        old = folder / temporary_name(link, "old-" + uuid.uuid4().hex[:8])
-        os.rename(dst, old)
-    os.replace(tmp, dst)
-    fsync_dir(folder)
-    if old is not None and old.is_symlink():
-        old.unlink()
-    elif old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def update_link(folder: Any, link: str, target: str) -> None:
+    """Point ``folder/link`` at ``folder/target`` atomically: a relative symlink, else a copy (local),
+    or a pointer object (object stores)."""
+    folder = as_path(folder)
+    storage_of(folder).update_link(folder, link, target)
 
 
-def link_target(folder: str | os.PathLike, link: str) -> str | None:
-    """The name of the checkpoint ``folder/link`` stands for (a link's target, or a copy's own name)."""
-    dst = Path(folder) / link
-    if dst.is_symlink():
-        return Path(os.readlink(dst)).name
-    if dst.is_dir():
-        try:
-            return str(json.loads((dst / MANIFEST).read_text()).get("name"))
-        except (OSError, ValueError):
-            return None
-    return None
+def link_target(folder: Any, link: str) -> str | None:
+    """The name of the checkpoint ``folder/link`` stands for (a link's target, a copy's own name, a pointer's)."""
+    folder = as_path(folder)
+    return storage_of(folder).link_target(folder, link)
 
 
 # -- the set of checkpoints ---------------------------------------------------------------------
-def list_checkpoints(folder: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
+def list_checkpoints(folder: Any) -> list[tuple[Any, dict[str, Any]]]:
     """Complete checkpoints in ``folder`` (not links, not temporaries), in the order they were saved.
 
     Save order, not training progress: a run started again from scratch, or from an earlier
@@ -318,7 +321,7 @@ def list_checkpoints(folder: str | os.PathLike) -> list[tuple[Path, dict[str, An
     are the newer ones (``last`` points at them). Ordering by progress made retention delete the
     new run's checkpoints and keep the stale ones, and the ``last`` fallback pick a stale one.
     """
-    folder = Path(folder)
+    folder = as_path(folder)
     if not folder.is_dir():
         return []
     found = []
@@ -347,18 +350,16 @@ def _save_order_key(manifest: dict[str, Any]) -> tuple:
     )
 
 
-def find_latest(folder: str | os.PathLike) -> Path | None:
+def find_latest(folder: Any) -> Any:
     found = list_checkpoints(folder)
     return found[-1][0] if found else None
 
 
-def remove_checkpoint(path: str | os.PathLike) -> None:
-    """Delete a checkpoint; renamed first, so a crash mid-delete leaves temporary debris, not a half checkpoint."""
-    path = Path(path)
-    doomed = path.with_name(temporary_name(path.name, "del-" + uuid.uuid4().hex[:8]))
-    os.rename(path, doomed)
-    fsync_dir(path.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
+def remove_checkpoint(path: Any) -> None:
+    """Delete a checkpoint so that a crash mid-delete leaves debris, not a half checkpoint (renamed
+    to a temporary name first, or on object stores its manifest removed first)."""
+    path = as_path(path)
+    storage_of(path).remove_checkpoint(path)
 
 
 def check_num_checkpoints_to_keep(keep: Any, name: str = "num_checkpoints_to_keep") -> int:
@@ -368,7 +369,7 @@ def check_num_checkpoints_to_keep(keep: Any, name: str = "num_checkpoints_to_kee
     return keep
 
 
-def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str] = ()) -> list[str]:
+def apply_retention(folder: Any, keep: int, protect: Iterable[str] = ()) -> list[str]:
     """Keep the ``keep`` most recently saved checkpoints plus whatever ``last``/``best`` point to; -1 keeps all.
 
     The whole folder counts, checkpoints of earlier runs included, so a folder holds at most
@@ -377,6 +378,7 @@ def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str]
     """
     if keep < 0:
         return []
+    folder = as_path(folder)
     protected = {link_target(folder, link) for link in LINKS} | set(protect)
     found = [path for path, _ in list_checkpoints(folder)]
     doomed = [path for path in found[: max(0, len(found) - keep)] if path.name not in protected]
@@ -385,42 +387,37 @@ def apply_retention(folder: str | os.PathLike, keep: int, protect: Iterable[str]
     return [path.name for path in doomed]
 
 
-def cleanup_temporary(folder: str | os.PathLike, keep: Iterable[str] = ()) -> list[str]:
-    """Remove ``*.tmp-*`` debris of interrupted saves, links and deletes (except names in ``keep``)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    keep = set(keep)
-    removed = []
-    for entry in folder.iterdir():
-        if not is_temporary(entry.name) or entry.name in keep:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-        removed.append(entry.name)
-    return removed
+def cleanup_temporary(folder: Any, keep: Iterable[str] = ()) -> list[str]:
+    """Remove the debris of interrupted saves, links and deletes (except names in ``keep``): ``*.tmp-*``
+    entries, and on object stores folders of save files that never got their manifest."""
+    folder = as_path(folder)
+    return storage_of(folder).cleanup(folder, set(keep))
 
 
 def resolve_checkpoint(
-    folder: str | os.PathLike | None, path: str | os.PathLike | None, must_exist: bool = True
-) -> Path | None:
-    """The checkpoint folder that ``path`` names.
+    folder: Any, path: Any, must_exist: bool = True, storage_options: Mapping[str, Any] | None = None
+) -> Any:
+    """The checkpoint folder that ``path`` names (a ``pathlib.Path``, or a RemotePath for a URL).
 
     ``path`` is a checkpoint folder, ``"last"``/``"best"`` (inside ``folder``), or a save folder
     (then its ``last``). A ``last`` that is missing or points at an incomplete checkpoint (a crash
     between commit and link update) falls back to the most recently saved complete checkpoint. Returns
-    None when nothing is found and ``must_exist`` is False.
+    None when nothing is found and ``must_exist`` is False. ``storage_options`` go to the fsspec
+    filesystem of a URL.
     """
     if path is None:
         return None
-    path = Path(path)
-    if str(path) in LINKS and folder is not None:
-        path = Path(folder) / path
+    if not isinstance(path, RemotePath) and str(path) in LINKS and folder is not None:
+        path = as_path(folder, storage_options) / str(path)
+    else:
+        path = as_path(path, storage_options)
     if path.is_dir() and not (path / MANIFEST).exists() and (path / "last").exists():
         path = path / "last"  # a save folder: its latest checkpoint
-    if path.name == "last" and not (path / MANIFEST).is_file():
+    link = path.name if path.name in LINKS else None
+    if link is not None and not storage_of(path).renames:  # a pointer object: the checkpoint it names
+        target = link_target(path.parent, link)
+        path = path.parent / target if target is not None else path
+    if link == "last" and not (path / MANIFEST).is_file():
         latest = find_latest(path.parent)
         if latest is not None:
             warnings.warn(

@@ -2,7 +2,8 @@
 
 These back ``kiln checkpoint inspect|merge|export``; they read sharded checkpoints whole with
 DCP's no-model planner (in its safe form) and never unpickle code. Each accepts a checkpoint
-folder or a merged ``.pt``/``.pth`` file.
+folder or a merged ``.pt``/``.pth`` file, on the local disk or at an fsspec URL (``s3://...``,
+with the filesystem's options from the environment).
 """
 
 from __future__ import annotations
@@ -26,20 +27,21 @@ from kiln.checkpoint.formats import (
     read_training_state,
     training_state_file,
 )
-from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, SafeFileSystemReader, dcp_failure, read_dcp_metadata
+from kiln.checkpoint.serialization import SafeEmptyLoadPlanner, dcp_failure, dcp_reader, read_dcp_metadata
+from kiln.checkpoint.storage import as_path, storage_of
 from kiln.precision import DTYPES
 
 __all__ = ["load_full", "inspect_checkpoint", "format_inspection", "merge_checkpoint", "export_safetensors"]
 
 
-def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+def load_full(path: Any, model_only: bool = False) -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
     """``(manifest, {"model": ..., "optimizer": ...}, [training state of each rank])``, all full tensors on CPU."""
     # DCP's public load() only fills keys the caller's dict already has; the private loader is
     # what DCP's own dcp_to_torch_save uses to rebuild a whole state dict from the metadata.
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    path = Path(path)
+    path = _checkpoint(path)
     manifest = verify_checkpoint(path)
     if manifest["save_type"] == "merged":
         merged = read_merged_file(path)[1] if path.is_file() else read_merged(path / MERGED_FILE)
@@ -47,7 +49,7 @@ def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[s
     tensors: dict[str, Any] = {}
     planner = SafeEmptyLoadPlanner(keys={"model"} if model_only else None)
     try:
-        _load_state_dict(tensors, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=True)
+        _load_state_dict(tensors, storage_reader=dcp_reader(path), planner=planner, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
@@ -64,7 +66,15 @@ def load_full(path: str | os.PathLike, model_only: bool = False) -> tuple[dict[s
     return manifest, {"model": tensors.get("model", {}), "optimizer": tensors.get("optimizer")}, ranks
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def _checkpoint(path: Any) -> Any:
+    """``path`` as a kiln path, a ``last``/``best`` pointer object on an object store followed."""
+    path = as_path(path)
+    if path.name in layout.LINKS and not storage_of(path).renames:
+        path = layout.resolve_checkpoint(None, path)
+    return path.resolve()
+
+
+def inspect_checkpoint(path: Any) -> dict[str, Any]:
     """A summary of a checkpoint without loading its tensors: manifest, sizes, and every model tensor's shape.
 
     Example::
@@ -72,7 +82,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         info = kiln.checkpoint.inspect_checkpoint("runs/a/last")
         info["num_parameters"], info["timestamp"]["batch"]
     """
-    path = Path(path).resolve()
+    path = _checkpoint(path)
     # Sizes and safe pickles, not the sha256 of every file: a quick look still refuses a file
     # that is cut short or carries code (`kiln checkpoint verify` adds the checksums).
     manifest = verify_checkpoint(path, checksums=False)
@@ -144,7 +154,7 @@ def format_inspection(info: dict[str, Any], max_tensors: int = 40) -> str:
     return "\n".join(lines)
 
 
-def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+def merge_checkpoint(src: Any, dst: Any) -> Any:
     """Write a checkpoint as a ``merged`` one at ``dst``: one file when ``dst`` ends in ``.pt`` or
     ``.pth``, else a checkpoint folder. Either is written under a temporary name and renamed when
     complete, and an existing ``dst`` is never overwritten.
@@ -159,15 +169,17 @@ def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         kiln.checkpoint.merge_checkpoint("runs/a/ep3-ba120", "exports/ep3-ba120.pt")
     """
     manifest, tensors, ranks = load_full(src)
-    dst = Path(dst)
+    dst = as_path(dst)
     if dst.exists() or dst.is_symlink():
         raise CheckpointError(dst, "already exists", "choose a new destination or remove it first")
     merged = {
         **{k: v for k, v in manifest.items() if k not in ("files", layout.MANIFEST_CHECKSUM)},
         "save_type": "merged",
-        "merged_from": str(Path(src).resolve()),
+        "merged_from": str(_checkpoint(src)),
     }
     content = {"model": tensors["model"], "optimizer": tensors["optimizer"], "ranks": ranks}
+    if not isinstance(dst, Path):
+        return _merge_to_object_store(dst, merged, content)
     tmp = dst.with_name(layout.temporary_name(dst.name))
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -194,6 +206,33 @@ def merge_checkpoint(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         raise
 
 
+def _merge_to_object_store(dst: Any, merged: dict[str, Any], content: dict[str, Any]) -> Any:
+    """merge_checkpoint's writing on an object store: a file is one PUT; a folder's manifest is
+    written last (its commit); a failure removes what was written."""
+    import io
+
+    from kiln.checkpoint.hashing import HashingStream
+
+    try:
+        if dst.suffix in MERGED_SUFFIXES:
+            buffer = io.BytesIO()
+            torch.save({**content, "manifest": merged}, buffer)
+            dst.write_bytes(buffer.getvalue())
+            return dst
+        with (dst / MERGED_FILE).open("wb") as f:
+            stream = HashingStream(f)
+            torch.save(content, stream)  # type: ignore[arg-type]  # a write-only stream is all torch.save needs
+        layout.write_manifest(dst, {**merged, "files": {MERGED_FILE: stream.record()}})
+        return dst
+    except BaseException as exc:
+        dst.rmtree()
+        if isinstance(exc, OSError):
+            raise CheckpointError(
+                dst, f"could not be written ({type(exc).__name__}: {exc})", "check permissions where it goes"
+            ) from None
+        raise
+
+
 def _save_durably(file: Path, obj: Any) -> None:
     with open(file, "wb") as f:  # straight to the file: no second copy in memory
         torch.save(obj, f)
@@ -201,11 +240,11 @@ def _save_durably(file: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def export_safetensors(path: str | os.PathLike, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:
+def export_safetensors(path: Any, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:
     """Write the model weights of a checkpoint to a ``.safetensors`` file (for inference and model hubs).
 
     Args:
-        path: a checkpoint folder of any save type.
+        path: a checkpoint folder of any save type (a local path or a URL).
         out: the output file (or a folder, which gets ``model.safetensors``).
         dtype: cast floating-point weights (``"bf16"``, ``"fp16"``, ``"fp32"``).
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from kiln.checkpoint.async_save import AsyncCheckpoint, start_async_save
 from kiln.checkpoint.checkpointing import save_checkpoint
 from kiln.checkpoint.formats import check_save_type
 from kiln.checkpoint.preemption import PreemptionHandler
+from kiln.checkpoint.storage import as_path
 from kiln.core.callback import Callback
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
@@ -31,7 +31,9 @@ class CheckpointSaver(Callback):
     (:data:`kiln.checkpoint.preemption.PREEMPTED_EXIT_CODE`).
 
     Args:
-        folder: the save folder; checkpoints are ``folder/ep{E}-ba{B}``, with ``last`` and ``best`` links.
+        folder: the save folder, a local path or an fsspec URL (``s3://bucket/run``, see
+            :mod:`kiln.checkpoint.storage`); checkpoints are ``folder/ep{E}-ba{B}``, with ``last``
+            and ``best`` links (pointer objects on object stores).
         interval: ``"1ep"``, ``"500ba"``, ``"2e4sp"``, ``"0.25dur"``, a :class:`kiln.Time`, an int
             (epochs), or ``callable(state, event) -> bool`` asked at both checkpoint events.
         num_checkpoints_to_keep: keep the N most recently saved checkpoints in the folder, earlier
@@ -47,6 +49,8 @@ class CheckpointSaver(Callback):
         preemption_signals: signals that mean "checkpoint now and exit" (empty: none handled).
         requeue: under SLURM, requeue the job after a preemption checkpoint.
         exit_on_preemption: exit after the preemption checkpoint (else only stop training).
+        storage_options: for a URL, the fsspec filesystem's options (``{"endpoint_url": ...,
+            "key": ..., "secret": ...}`` for S3); by default the standard environment variables.
 
     Example::
 
@@ -57,7 +61,7 @@ class CheckpointSaver(Callback):
 
     def __init__(
         self,
-        folder: str | os.PathLike = "checkpoints",
+        folder: Any = "checkpoints",
         interval: Interval = "1ep",
         num_checkpoints_to_keep: int = -1,
         save_type: str = "sharded",
@@ -69,8 +73,9 @@ class CheckpointSaver(Callback):
         preemption_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         requeue: bool = False,
         exit_on_preemption: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.folder = Path(folder)
+        self.folder = as_path(folder, storage_options)
         self.save_type = check_save_type(save_type)
         if save_async and save_type == "merged":
             raise ValueError(
@@ -85,7 +90,7 @@ class CheckpointSaver(Callback):
         self.best_name: str | None = None
         self.preemption = PreemptionHandler(preemption_signals, requeue) if preemption_signals else None
         self.exit_on_preemption = exit_on_preemption
-        self.last_path: Path | None = None
+        self.last_path: Any = None
         self._resolved: list[Time | Callable] = []
         self._previous: dict[TimeUnit, float] = {}
         self._saved_name: str | None = None
@@ -100,6 +105,9 @@ class CheckpointSaver(Callback):
         if state.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             layout.cleanup_temporary(self.folder)  # debris of saves a crash interrupted
+            # A crash between a commit and its retention leaves keep + 1 checkpoints; trimmed here,
+            # this run's first commit cannot bring the folder to keep + 2.
+            layout.apply_retention(self.folder, self.num_checkpoints_to_keep)
         self._resolved = [iv if callable(iv) else state.resolve(iv) for iv in self.intervals]
         self._previous = {
             unit: state.timestamp.get(unit).value for unit in (TimeUnit.SAMPLE, TimeUnit.TOKEN, TimeUnit.SECOND)
@@ -113,13 +121,13 @@ class CheckpointSaver(Callback):
         if self._preempted(state, Event.BATCH_CHECKPOINT):
             return
         if self._due(state, Event.BATCH_CHECKPOINT):
-            self.save(state)
+            self.save(state, logger)
 
     def epoch_checkpoint(self, state: Any, logger: Any) -> None:
         if self._preempted(state, Event.EPOCH_CHECKPOINT):
             return
         if self._due(state, Event.EPOCH_CHECKPOINT):
-            self.save(state)
+            self.save(state, logger)
 
     def eval_end(self, state: Any, logger: Any) -> None:
         # The loop may evaluate after the checkpoint event of the same step: then the checkpoint
@@ -130,11 +138,11 @@ class CheckpointSaver(Callback):
             self._wait()  # an async save of this step must be committed before `best` can point at it
             self._mark_best(self._saved_name, float(state.metrics[self.best_metric]), link_now=True)
         else:
-            self.save(state)
+            self.save(state, logger)
 
     def fit_end(self, state: Any, logger: Any) -> None:
         try:
-            self.save(state)  # the final checkpoint, whatever the interval
+            self.save(state, logger)  # the final checkpoint, whatever the interval
             self._wait()
         finally:
             self._fitting = False
@@ -153,8 +161,9 @@ class CheckpointSaver(Callback):
         self._wait()
 
     # -- saving -------------------------------------------------------------------------------
-    def save(self, state: Any) -> Path | None:
-        """Save now (every rank), unless this step is already saved; returns the path (rank 0 knows it)."""
+    def save(self, state: Any, logger: Any = None) -> Path | None:
+        """Save now (every rank), unless this step is already saved; returns the path (rank 0 knows it).
+        With a ``logger``, ``checkpoint/saved`` is logged at this step (``kiln report`` marks it)."""
         name = self._name(state)
         if name == self._saved_name:
             return self.last_path
@@ -171,9 +180,11 @@ class CheckpointSaver(Callback):
                 self._after_commit(path)
             self.last_path = path
         self._saved_name = name
+        if logger is not None:
+            logger.log_metrics({"checkpoint/saved": 1}, step=state.timestamp.batch.value)
         return self.folder / name
 
-    def _after_commit(self, path: Path) -> None:
+    def _after_commit(self, path: Any) -> None:
         """Rank 0, once the checkpoint is visible: the ``best`` link, then retention."""
         self.last_path = path
         if self.best_name == path.name:

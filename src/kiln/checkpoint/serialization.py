@@ -25,16 +25,19 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
 from kiln.checkpoint.errors import CheckpointError
+from kiln.checkpoint.storage import as_path, storage_of
 
 __all__ = [
     "safe_torch_load",
     "check_loadable",
     "read_dcp_metadata",
     "SafeFileSystemReader",
+    "SafeFsspecReader",
     "SafeLoadPlanner",
     "SafeEmptyLoadPlanner",
     "dcp_failure",
     "check_dcp_bytes",
+    "dcp_reader",
 ]
 
 _UNSAFE_FIX = (
@@ -71,11 +74,11 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
 
 
-def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+def read_dcp_metadata(path: Any) -> Metadata:
     """DCP's ``.metadata`` from checkpoint folder ``path``, refusing anything but its record classes."""
-    file = Path(path) / ".metadata"
+    file = as_path(path) / ".metadata"
     try:
-        with open(file, "rb") as f:
+        with file.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(
@@ -95,7 +98,7 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     return metadata
 
 
-def _check_metadata(file: Path, metadata: Metadata) -> None:
+def _check_metadata(file: Any, metadata: Metadata) -> None:
     """Raise unless the unpickled metadata is sound, so that damage fails here, naming the file,
     rather than deep inside DCP (or as a read of the wrong bytes, blamed on a ``.distcp`` file)."""
 
@@ -177,25 +180,33 @@ def _sound_entry(md: Any) -> bool:
     )
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with the safe metadata unpickler; a failure while reading an entry (damaged
-    bytes, code in a pickle) is one CheckpointError naming the file and the entry."""
+class _SafeReading:
+    """What makes DCP's readers safe: the safe metadata unpickler; a failure while reading an entry
+    (damaged bytes, code in a pickle) is one CheckpointError naming the file and the entry."""
+
+    path: Any
+    load_id: Any
+    storage_data: Any
+    _folder: Any = None  # the checkpoint folder as a kiln path (a RemotePath on fsspec storage)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_dcp_metadata(self.path)
+        metadata = read_dcp_metadata(self._where())
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
+    def _where(self) -> Any:
+        return self._folder if self._folder is not None else as_path(self.path)
+
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         self._reading = sinfo  # which entry of which file is being read, for the error message
-        return super()._slice_file(file, sinfo)
+        return super()._slice_file(file, sinfo)  # type: ignore[misc]  # the DCP reader's, mixed in below
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         self._reading = None
         try:
-            return super().read_data(plan, planner)
+            return super().read_data(plan, planner)  # type: ignore[misc]  # the DCP reader's, mixed in below
         except Exception as exc:
             raise self._failure(exc) from None
 
@@ -209,11 +220,11 @@ class SafeFileSystemReader(FileSystemReader):
             )
         if sinfo is None:  # the plan DCP made from .metadata does not fit its own tables
             return CheckpointError(
-                Path(self.path) / ".metadata",
+                self._where() / ".metadata",
                 f"is damaged: its entries do not fit its storage table ({type(exc).__name__}: {_first_line(exc)})",
                 "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
             )
-        file = Path(self.path) / sinfo.relative_path
+        file = self._where() / sinfo.relative_path
         key = next((index.fqn for index, info in self.storage_data.items() if info is sinfo), "?")
         # The bytes are where .metadata says; with both files damaged alike, either may be at fault.
         entry = f"entry {key} (bytes {sinfo.offset}-{sinfo.offset + sinfo.length}, as .metadata places it)"
@@ -224,6 +235,25 @@ class SafeFileSystemReader(FileSystemReader):
             f"is damaged: {entry} could not be read ({type(exc).__name__}: {_first_line(exc)})",
             "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
         )
+
+
+class SafeFileSystemReader(_SafeReading, FileSystemReader):
+    """DCP's file reader, made safe (see :class:`_SafeReading`)."""
+
+
+class SafeFsspecReader(_SafeReading, FileSystemReader):
+    """DCP's fsspec reader, made safe, on a :class:`kiln.checkpoint.storage.RemotePath`'s filesystem
+    (and so with its storage options)."""
+
+    def __init__(self, folder: Any) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+
+        super().__init__(str(folder))
+        fs = FsspecFileSystem()
+        fs.fs = folder.fs
+        self.fs = fs  # type: ignore[assignment]  # what FsspecReader itself sets, typed as its base's
+        self.path = str(folder)
+        self._folder = folder
 
 
 _VALUE = "<sharded checkpoint value>"  # replaced by the file and entry once the reader knows them
@@ -257,7 +287,7 @@ def _load_failure(path: str | os.PathLike, exc: BaseException) -> CheckpointErro
     )
 
 
-def dcp_failure(exc: BaseException, path: str | os.PathLike) -> CheckpointError:
+def dcp_failure(exc: BaseException, path: Any) -> CheckpointError:
     """One CheckpointError for whatever a DCP load of the checkpoint folder ``path`` raised.
 
     DCP wraps each rank's exception, with its traceback, in a CheckpointException (a BaseException);
@@ -273,13 +303,13 @@ def dcp_failure(exc: BaseException, path: str | os.PathLike) -> CheckpointError:
     if isinstance(exc, CheckpointError):
         return exc
     return CheckpointError(
-        Path(path) / ".metadata",
+        as_path(path) / ".metadata",
         f"could not be used to load the checkpoint ({type(exc).__name__}: {_first_line(exc)})",
         "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
     )
 
 
-def check_dcp_bytes(path: str | os.PathLike, metadata: Metadata) -> None:
+def check_dcp_bytes(path: Any, metadata: Metadata) -> None:
     """Load every non-tensor entry of a DCP checkpoint (small pickled values) the safe way, so that
     ``verify`` refuses a checkpoint that carries code in any pickle, not only in the ones a load reads first."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -290,9 +320,7 @@ def check_dcp_bytes(path: str | os.PathLike, metadata: Metadata) -> None:
     if not keys:
         return
     try:
-        _load_state_dict(
-            {}, storage_reader=SafeFileSystemReader(path), planner=SafeEmptyLoadPlanner(keys=keys), no_dist=True
-        )
+        _load_state_dict({}, storage_reader=dcp_reader(path), planner=SafeEmptyLoadPlanner(keys=keys), no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP wraps failures in a BaseException
         raise dcp_failure(exc, path) from None
 
@@ -325,10 +353,18 @@ def _first_line(exc: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-def safe_torch_load(path: str | os.PathLike, mmap: bool = False) -> Any:
+def dcp_reader(folder: Any) -> Any:
+    """DCP's safe reader for the checkpoint folder ``folder`` (a local path or a URL)."""
+    folder = as_path(folder)
+    return storage_of(folder).dcp_reader(folder)
+
+
+def safe_torch_load(path: Any, mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)``; every failure is one CheckpointError naming the file."""
+    path = as_path(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        source = storage_of(path).read_for_load(path)
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap and isinstance(source, Path))
     except FileNotFoundError:
         raise CheckpointError(path, "is missing", "copy the whole checkpoint folder") from None
     except Exception as exc:  # a damaged zip or pickle fails in many ways (RuntimeError, EOFError, KeyError, ...)

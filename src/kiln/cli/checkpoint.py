@@ -1,6 +1,8 @@
 """`kiln checkpoint merge SRC DST[.pt] | inspect PATH | verify PATH | export PATH --safetensors OUT | --hf OUT`.
 
-Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
+Every PATH, SRC and (for merge) DST may be an fsspec URL (``s3://bucket/run/last``); S3's endpoint
+and credentials come from the standard environment variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ...). Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
 checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback. ``export --hf`` exits 2
 on any input it cannot export (a bad checkpoint, no config, an existing OUT), as a bad config does.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 __all__ = ["add_parser"]
@@ -19,7 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "checkpoint",
         help="inspect, verify, merge or export checkpoints",
-        description="Work with kiln checkpoint folders (no process group needed).",
+        description="Work with kiln checkpoint folders, local or at fsspec URLs such as s3://bucket/run/last "
+        "(no process group needed).",
     )
     sub = p.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
 
@@ -103,7 +105,9 @@ def _verify(args: argparse.Namespace) -> int:
 
     manifest = verify_checkpoint(args.path)
     if "files" not in manifest:  # a merged .pt file: no checksums to compare
-        size = os.path.getsize(args.path)
+        from kiln.checkpoint.storage import as_path
+
+        size = as_path(args.path).stat().st_size
         print(
             f"OK {args.path}: {manifest['name']}, one merged file, {size / 1e6:.1f} MB, loads safely "
             "(a single file carries no checksums)"
