@@ -71,7 +71,8 @@ class TrainerArgs:
         optimizer: the optimizer, gradient clipping and loss/gradient reduction.
         dataset: the training and validation datasets.
         dataloader: the dataloader type and its arguments.
-        dataset_sampler: the sampler that splits data across data-parallel ranks.
+        dataset_sampler: the sampler that splits data across data-parallel ranks (not used for an iterable dataset).
+        stateful_dataloader: true builds torchdata's StatefulDataLoader, which resumes iterable data mid-epoch without replay; null: only for an iterable dataset with state_dict/load_state_dict and workers.
         lr_scheduler: the learning-rate scheduler (optional).
         checkpoint: where and how often to save, and what to resume from.
         log: the loggers.
@@ -115,6 +116,7 @@ class TrainerArgs:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     dataloader: DataloaderConfig = field(default_factory=DataloaderConfig)
     dataset_sampler: DatasetSamplerConfig = field(default_factory=DatasetSamplerConfig)
+    stateful_dataloader: bool | None = None
     lr_scheduler: LRSchedulerConfig | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: list[LogConfig] = field(default_factory=list)

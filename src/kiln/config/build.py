@@ -150,7 +150,7 @@ def build_value(obj: Any, path: str = "") -> Any:
         obj: a config value (dicts, lists and tuples are walked; anything else is returned).
         path: the dotted path of ``obj``, used in error messages.
 
-    Example:
+    Examples:
         >>> build_value({"t": {"__type": "datetime.timedelta", "seconds": 90}})["t"].seconds
         90
     """

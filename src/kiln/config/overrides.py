@@ -57,7 +57,7 @@ class ConfigError(ValueError):
         message: the whole message, conventionally ``"<path>: <what is wrong>"``.
         path: the dotted field path the error is about ("" for the config as a whole).
 
-    Example:
+    Examples:
         >>> raise ConfigError(format_error("max_epochs", "ten", "an int"), path="max_epochs")
     """
 

@@ -19,6 +19,7 @@ checkpoint.save_best / resume_from                      save_best="eval/loss" / 
 compute_config (+ pas_policy)                           strategy;  precision: precision
 compile / activation_checkpointing                      compile / activation_checkpointing (a name: the function)
 lr_scheduler.interval                                   step_schedulers_every_batch
+stateful_dataloader                                     stateful_dataloader
 log / hook / enable_progress_bar / seed / instance_name  loggers / callbacks / progress_bar / seed / run_name
 ======================================================  ==============================================
 """
@@ -129,7 +130,8 @@ def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int) -> tuple[Any, Any]:
         dataset = _make(data.type, "dataset", **build_value(dataset_args, f"dataset.{stage}_args"))
         sampler = None
         sampler_args = getattr(sampler_cfg, f"{stage}_args")
-        if stage == "train" or sampler_args:  # validation data without a sampler is split by the Trainer
+        # Validation data without a sampler is split by the Trainer; an iterable dataset orders itself.
+        if (stage == "train" or sampler_args) and not isinstance(dataset, torch.utils.data.IterableDataset):
             kwargs = {k: v for k, v in sampler_args.items() if k not in SAMPLER_FILLED}
             sampler = _make(
                 sampler_cfg.type,
@@ -288,7 +290,10 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     strategy = _strategy(args, ctx)
 
     ckpt = args.checkpoint
-    steps_per_epoch = len(train_dl) if hasattr(train_dl, "__len__") else None
+    try:
+        steps_per_epoch: int | None = len(train_dl)
+    except TypeError:  # an iterable dataset without a length
+        steps_per_epoch = None
     schedules = _Schedules(args)
     trainer = Trainer(
         model,
@@ -305,6 +310,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
         compile=args.compile,
         activation_checkpointing=_activation_checkpointing(args.activation_checkpointing),
         float8=args.float8,
+        stateful_dataloader=args.stateful_dataloader,
         callbacks=[*extra, *callbacks],
         loggers=loggers,
         eval_interval=schedules.eval_due,

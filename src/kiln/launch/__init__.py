@@ -16,6 +16,7 @@ from kiln.launch.environments import LaunchError
 from kiln.launch.heartbeat import CollectiveTimeout
 from kiln.launch.loader import ResumableLoader
 from kiln.launch.logging import DistributedLogger, get_dist_logger
+from kiln.launch.streaming import as_stateful_dataloader, shard_by_rank
 
 __all__ = [
     "CollectiveTimeout",
@@ -25,6 +26,7 @@ __all__ = [
     "LaunchError",
     "ResumableLoader",
     "ResumableSampler",
+    "as_stateful_dataloader",
     "context",
     "ensure_distributed_sampler",
     "get_dataloader",
@@ -36,6 +38,7 @@ __all__ = [
     "launch_from_torch",
     "load_config",
     "seed_everything",
+    "shard_by_rank",
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -248,10 +249,14 @@ _LOADER_ARGS = (
     "generator",
     "persistent_workers",
     "pin_memory_device",
+    "prefetch_factor",
+    "in_order",
+    "snapshot_every_n_steps",  # torchdata's StatefulDataLoader
 )
 
 
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+def loader_arguments(loader: DataLoader) -> dict[str, Any]:
+    """The arguments that rebuild ``loader`` (batching, workers, collation), without its dataset and sampler."""
     kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
     kwargs.pop("generator", None)
     if kwargs.get("num_workers", 0) == 0:
@@ -284,10 +289,10 @@ def with_resumable_sampler(
         return loader
     if isinstance(loader.sampler, DistributedSampler) or loader.batch_sampler is None:
         return loader
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler, *_stateful_random_sampler())):
         return loader  # a custom sampler: the user decides how data is split
-    shuffle = isinstance(loader.sampler, RandomSampler)
-    kwargs = _loader_kwargs(loader)
+    shuffle = not isinstance(loader.sampler, SequentialSampler)
+    kwargs = loader_arguments(loader)
     keyed = loader.num_workers > 0
     dataset = loader.dataset.dataset if isinstance(loader.dataset, WorkerSeeded) else loader.dataset
     sampler = ResumableSampler(
@@ -299,7 +304,27 @@ def with_resumable_sampler(
         drop_last=loader.drop_last,
         worker_seeds=keyed,
     )
-    return DataLoader(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, **kwargs)
+    return loader_class(loader)(WorkerSeeded(dataset) if keyed else dataset, sampler=sampler, **kwargs)
+
+
+# -- torchdata's StatefulDataLoader ---------------------------------------------------------------
+def loaded_torchdata() -> Any:
+    """torchdata's stateful_dataloader module when something imported it (a StatefulDataLoader
+    exists only then), else None: checking a loader's class imports nothing."""
+    return sys.modules.get("torchdata.stateful_dataloader")
+
+
+def _stateful_random_sampler() -> tuple[type, ...]:
+    module = loaded_torchdata()
+    return () if module is None else (module.sampler.RandomSampler,)
+
+
+def loader_class(loader: DataLoader) -> type[DataLoader]:
+    """The class to rebuild ``loader`` with: a StatefulDataLoader stays one, others become DataLoaders."""
+    module = loaded_torchdata()
+    if module is not None and isinstance(loader, module.StatefulDataLoader):
+        return module.StatefulDataLoader
+    return DataLoader
 
 
 class ShardSampler(Sampler[int]):
@@ -336,5 +361,5 @@ class ShardSampler(Sampler[int]):
         rank = ctx.rank if rank is None else rank
         if num_replicas == 1 or not isinstance(loader, DataLoader) or not isinstance(loader.sampler, SequentialSampler):
             return loader
-        kwargs = _loader_kwargs(loader)
+        kwargs = loader_arguments(loader)
         return DataLoader(loader.dataset, sampler=cls(loader.dataset, num_replicas, rank), **kwargs)
