@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -413,3 +414,122 @@ def test_mlflow_logger_creates_nothing_until_written(monkeypatch, tmp_path):
     destination = MLflowLogger(tracking_uri=(tmp_path / "mlruns").as_uri())
     destination.close()
     assert destination.state_dict() == {} and not (tmp_path / "mlruns").exists()
+
+
+# --- images ------------------------------------------------------------------------------------
+
+
+def _images():
+    """Two 3-channel 4x6 images, float in [0, 1], and the uint8 NHWC array every logger receives."""
+    images = torch.zeros(2, 3, 4, 6)
+    images[0, 0] = 1.0  # red
+    images[1, 2, :2] = 0.5  # half blue, top half
+    expected = torch.zeros(2, 4, 6, 3, dtype=torch.uint8)
+    expected[0, ..., 0] = 255
+    expected[1, :2, :, 2] = 128
+    return images, expected.numpy()
+
+
+def test_log_images_normalises_every_input_form(tmp_path):
+    import numpy as np
+
+    images, expected = _images()
+    recorder = Recorder()
+    recorder.log_images = lambda array, name, step=None: recorder.calls.append(("images", array, (name, step)))
+    logger = Logger([recorder, ConsoleLogger(), FileLogger(tmp_path / "m.jsonl")], rank=0)  # those two ignore images
+    logger.log_images(images, "batch", step=3)
+    logger.log_images(images[0], "one", step=4)  # (C, H, W)
+    logger.log_images((images * 255).round().to(torch.uint8).numpy(), "uint8", step=5)
+    logger.log_images(images.permute(0, 2, 3, 1).numpy(), "hwc", step=6, channels_last=True)
+    logger.log_images([images[0], images[1]], "list", step=7)
+    logger.log_images(torch.ones(4, 6), "grey", step=8)  # (H, W)
+    calls = recorder.calls
+    assert [c[2] for c in calls] == [("batch", 3), ("one", 4), ("uint8", 5), ("hwc", 6), ("list", 7), ("grey", 8)]
+    for _, array, (name, _) in calls[:5]:
+        assert array.dtype == np.uint8 and array.shape[-1] == 3, name
+        np.testing.assert_array_equal(array, expected[:1] if name == "one" else expected, err_msg=name)
+    assert calls[5][1].shape == (1, 4, 6, 1) and (calls[5][1] == 255).all()
+    assert not (tmp_path / "m.jsonl").exists()
+    with pytest.raises(ValueError, match=r"2 channels; expected 1, 3 or 4"):
+        logger.log_images(torch.zeros(1, 2, 4, 4))
+    with pytest.raises(TypeError, match="got str"):
+        logger.log_images("picture.png")
+
+
+def test_tensorboard_logger_images(tmp_path):
+    pytest.importorskip("tensorboard")
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from kiln.loggers.tensorboard import TensorBoardLogger
+
+    images, expected = _images()
+    destination = TensorBoardLogger(tmp_path / "tb")
+    Logger([destination], rank=0).log_images(images, "samples", step=7)
+    destination.close()
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["images"] == ["samples"]
+    (event,) = accumulator.Images("samples")
+    assert event.step == 7 and (event.width, event.height) == (12, 4)  # add_images tiles the batch in a row
+    decoded = np.asarray(Image.open(io.BytesIO(event.encoded_image_string)).convert("RGB"))
+    np.testing.assert_array_equal(decoded, np.concatenate(list(expected), axis=1))
+
+
+def test_wandb_logger_images_offline(monkeypatch, tmp_path):
+    pytest.importorskip("wandb")
+    import numpy as np
+    from PIL import Image
+
+    from kiln.loggers.wandb import WandBLogger
+
+    _wandb_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    images, expected = _images()
+    destination = WandBLogger(project="kiln-test", name="images", dir=str(tmp_path))
+    Logger([destination], rank=0).log_images(images, "samples", step=2)
+    run_id = destination.state_dict()["run_id"]
+    destination.close()
+    (run_dir,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}")
+    deadline = time.monotonic() + 30
+    while True:  # the service process may still be writing after finish(): poll
+        files = sorted((run_dir / "files" / "media" / "images").glob("samples_*.png"))
+        try:
+            rows = _read_wandb_history(run_dir / f"run-{run_id}.wandb")
+        except Exception:  # a record still being written
+            rows = []
+        if (len(files) == 2 and rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(files) == 2, list(run_dir.rglob("*"))
+    decoded = sorted(np.asarray(Image.open(f).convert("RGB")).tobytes() for f in files)
+    assert decoded == sorted(image.tobytes() for image in expected)
+    (row,) = rows  # nested keys come back joined with "/"
+    assert row["_step"] == 2 and row["samples/_type"] == "images/separated" and row["samples/count"] == 2
+    assert sorted(row["samples/filenames"]) == sorted(f"media/images/{f.name}" for f in files)
+
+
+def test_mlflow_logger_images(monkeypatch, tmp_path):
+    pytest.importorskip("mlflow")
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+    from PIL import Image
+
+    from kiln.loggers.mlflow import MLflowLogger
+
+    images, expected = _images()
+    uri = (tmp_path / "mlruns").as_uri()
+    destination = MLflowLogger(experiment_name="kiln-test", tracking_uri=uri)
+    Logger([destination], rank=0).log_images(images, "samples", step=3)
+    run_id = destination.state_dict()["run_id"]
+    destination.close()
+    client = MlflowClient(tracking_uri=uri)
+    artifacts = [a.path for a in client.list_artifacts(run_id, "images")]
+    pngs = sorted(a for a in artifacts if a.endswith(".png"))
+    # MLflow's file names: <key with "/" escaped><sep>step<sep>3<sep>timestamp... (separators vary by version)
+    found = [re.match(r"images/samples[#~](\d)[%+]step[%+](\d+)[%+]", a) for a in pngs]
+    assert [(m.group(1), m.group(2)) for m in found if m] == [("0", "3"), ("1", "3")], artifacts
+    for index, artifact in enumerate(pngs):
+        local = client.download_artifacts(run_id, artifact, str(tmp_path))
+        np.testing.assert_array_equal(np.asarray(Image.open(local).convert("RGB")), expected[index])

@@ -20,6 +20,7 @@ from kiln.callbacks.early_stopper import EarlyStopper
 from kiln.callbacks.lr_monitor import LRMonitor
 from kiln.callbacks.memory_monitor import MemoryMonitor
 from kiln.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
+from kiln.callbacks.profiler import ProfilerCallback
 from kiln.callbacks.speed_monitor import SpeedMonitor
 from kiln.callbacks.threshold_stopper import ThresholdStopper
 
@@ -31,6 +32,7 @@ __all__ = [
     "ThresholdStopper",
     "NaNMonitor",
     "NonFiniteLossError",
+    "ProfilerCallback",
     "CheckpointSaver",
 ]
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from kiln.core.callback import Callback
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kiln.core.state import State
 
 __all__ = ["LoggerDestination"]
@@ -54,6 +56,10 @@ class LoggerDestination(Callback):
 
     def log_text(self, text: str, step: int | None = None) -> None:
         """Write free text; destinations without a text channel ignore it."""
+
+    def log_images(self, images: np.ndarray, name: str, step: int | None = None) -> None:
+        """Write images: a ``(N, H, W, C)`` uint8 array (C is 1, 3 or 4), converted by the Logger.
+        Destinations without an image channel (console, file) ignore them."""
 
     def flush(self) -> None:
         """Push buffered records to their file or service."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from kiln.loggers.destination import LoggerDestination
+from kiln.loggers.remote import RemoteFolder, is_url, local_path
 
 if TYPE_CHECKING:
     from kiln.core.state import State
@@ -25,10 +28,17 @@ class FileLogger(LoggerDestination):
     and ranks that never write leave no file behind. Non-finite values are written as ``NaN`` /
     ``Infinity``, which Python's ``json`` reads back.
 
+    ``path`` may be an fsspec URL (``s3://bucket/run/metrics.jsonl``, ``memory://...``): object
+    stores cannot append, so the file is kept in a local staging copy (the URL's file first, when
+    a resumed run finds one) and uploaded whole at each flush; a reader sees it as of the last
+    flush (see :mod:`kiln.loggers.remote`).
+
     Args:
-        path: The ``.jsonl`` file to append to.
-        flush_interval: Flush to disk every this many records (and on ``close``, epoch end and
-            fit end).
+        path: The ``.jsonl`` file to append to: a local path or an fsspec URL.
+        flush_interval: Flush to disk (upload, for a URL) every this many records (and on
+            ``close``, epoch end and fit end).
+        storage_options: For a URL, passed to the fsspec filesystem (for S3 ``endpoint_url``,
+            ``key``, ``secret``, ...; by default the standard ``AWS_*`` environment variables).
         rank_zero_only: Write on rank 0 only (the default).
 
     Example::
@@ -42,20 +52,25 @@ class FileLogger(LoggerDestination):
         path: str | os.PathLike[str],
         flush_interval: int = 100,
         *,
+        storage_options: Mapping[str, Any] | None = None,
         rank_zero_only: bool = True,
     ) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
         if not isinstance(flush_interval, int) or flush_interval < 1:
             raise ValueError(f"FileLogger flush_interval must be an int >= 1, got {flush_interval!r}")
-        self.path = Path(path)
+        self.url = str(path) if is_url(path) else None
+        self.path: Path | str = self.url or local_path(path)
+        """The local file, or the URL."""
+        self.storage_options = storage_options
+        self._remote: RemoteFolder | None = None
+        self._name = ""
         self.flush_interval = flush_interval
         self._file: IO[str] | None = None
         self._num_unflushed = 0
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = self._open()
         # default=str: a hyperparameter that is a class or a path is still recorded, as text.
         self._file.write(json.dumps(record, default=str) + "\n")
         self._num_unflushed += 1
@@ -71,13 +86,27 @@ class FileLogger(LoggerDestination):
     def log_text(self, text: str, step: int | None = None) -> None:
         self._write({"step": step, "text": text})
 
+    def _open(self) -> IO[str]:
+        if self.url is None:
+            path = Path(self.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return path.open("a", encoding="utf-8")
+        if self._remote is None:  # built on the first write: only writing ranks touch the storage
+            folder, self._name = posixpath.split(self.url.rstrip("/"))
+            self._remote = RemoteFolder(folder, self.storage_options, owner="FileLogger")
+        return self._remote.pull(self._name).open("a", encoding="utf-8")
+
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+            if self._remote is not None:
+                self._remote.push()
         self._num_unflushed = 0
 
     def close(self, state: State | None = None, logger: Any = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._remote is not None:
+            self._remote.close()
         self._num_unflushed = 0

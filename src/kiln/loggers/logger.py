@@ -93,6 +93,27 @@ class Logger:
         for destination in self._writing():
             destination.log_text(text, step)
 
+    def log_images(
+        self, images: Any, name: str = "images", step: int | None = None, *, channels_last: bool = False
+    ) -> None:
+        """Log images under ``name`` to the destinations that show images (TensorBoard, W&B, MLflow).
+
+        ``images``: a tensor or NumPy array shaped ``(N, C, H, W)``, ``(C, H, W)`` or ``(H, W)``
+        (``(N, H, W, C)`` with ``channels_last=True``) or a list of them; floats in [0, 1] or
+        integers in [0, 255]. They are copied to the host once, only when a destination writes.
+        ``step`` defaults to the state's batch count, as for ``log_metrics``.
+        """
+        destinations = self._writing()
+        if not destinations:
+            return
+        from kiln.loggers.images import as_uint8_nhwc
+
+        if step is None and self.state is not None:
+            step = int(self.state.timestamp.batch.value)
+        array = as_uint8_nhwc(images, channels_last)
+        for destination in destinations:
+            destination.log_images(array, name, step)
+
     def flush(self) -> None:
         for destination in self._writing():
             destination.flush()

@@ -17,7 +17,8 @@ __all__ = ["MLflowLogger"]
 
 
 class MLflowLogger(LoggerDestination):
-    """Logs metrics and hyperparameters to an MLflow run through ``MlflowClient``.
+    """Logs metrics, hyperparameters and images (``log_image``, by key and step) to an MLflow run
+    through ``MlflowClient``.
 
     The tracking URI is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the file store
     ``./mlruns`` (made absolute when the logger is built, so a later ``chdir`` does not move it).
@@ -107,6 +108,14 @@ class MLflowLogger(LoggerDestination):
         client = self.client
         batch = [Param(key, str(value)) for key, value in _flatten_params(params).items()]
         client.log_batch(self.run_id, params=batch)
+
+    def log_images(self, images: Any, name: str, step: int | None = None) -> None:
+        # MLflow's image keys (shown per step in its UI): one per image when there are several.
+        client = self.client
+        step = self._num_calls if step is None else step
+        for index, image in enumerate(images):
+            key = name if len(images) == 1 else f"{name}/{index}"
+            client.log_image(self.run_id, image[..., 0] if image.shape[-1] == 1 else image, key=key, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.run_id is None else {"run_id": self.run_id}

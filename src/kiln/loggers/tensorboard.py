@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.loggers.destination import LoggerDestination, _flatten_params
+from kiln.loggers.remote import RemoteFolder, is_url, local_path
 
 if TYPE_CHECKING:
     from kiln.core.state import State
@@ -15,7 +17,8 @@ __all__ = ["TensorBoardLogger"]
 
 
 class TensorBoardLogger(LoggerDestination):
-    """Writes each metric as a TensorBoard scalar (``add_scalar``) under ``log_dir``.
+    """Writes each metric as a TensorBoard scalar (``add_scalar``) under ``log_dir``, and images
+    with ``add_images`` (one image summary per name and step).
 
     Hyperparameters are written once as a Markdown table with ``add_text`` under the tag
     ``hyperparameters`` (nested keys dotted). ``add_hparams`` is not used: it writes a separate
@@ -25,10 +28,19 @@ class TensorBoardLogger(LoggerDestination):
     The writer (and ``log_dir``) is created on the first write, so ranks that never write leave
     no event files. ``tensorboard`` is imported when the logger is built, not when ``kiln`` is.
 
+    ``log_dir`` may be an fsspec URL (``s3://bucket/run/tb``, ``memory://...``): the writer then
+    writes into a local staging folder, and each flush uploads the event files that grew, each
+    whole (object stores cannot append; see :mod:`kiln.loggers.remote`). TensorBoard reads
+    ``s3://`` log dirs itself.
+
     Args:
-        log_dir: Folder for the event files; view with ``tensorboard --logdir <log_dir>``.
-        flush_interval: Flush to disk every this many ``log_metrics`` calls (the writer also
-            flushes on its own every two minutes, on epoch end, fit end and close).
+        log_dir: Folder for the event files (a local path or an fsspec URL); view with
+            ``tensorboard --logdir <log_dir>``.
+        flush_interval: Flush to disk (upload, for a URL) every this many ``log_metrics`` calls
+            (and on epoch end, fit end and close; locally the writer also flushes on its own every
+            two minutes).
+        storage_options: For a URL, passed to the fsspec filesystem (for S3 ``endpoint_url``,
+            ``key``, ``secret``, ...; by default the standard ``AWS_*`` environment variables).
         rank_zero_only: Write on rank 0 only (the default).
 
     Raises:
@@ -44,6 +56,7 @@ class TensorBoardLogger(LoggerDestination):
         log_dir: str | os.PathLike[str],
         flush_interval: int = 100,
         *,
+        storage_options: Mapping[str, Any] | None = None,
         rank_zero_only: bool = True,
     ) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
@@ -55,7 +68,11 @@ class TensorBoardLogger(LoggerDestination):
         except ImportError as error:
             raise ImportError("TensorBoardLogger needs the tensorboard package: pip install tensorboard") from error
         self._writer_class = SummaryWriter
-        self.log_dir = Path(log_dir)
+        self.url = str(log_dir) if is_url(log_dir) else None
+        self.log_dir: Path | str = self.url or local_path(log_dir)
+        """The local folder, or the URL."""
+        self.storage_options = storage_options
+        self._remote: RemoteFolder | None = None
         self.flush_interval = flush_interval
         self._writer: Any = None
         self._num_calls = 0
@@ -64,7 +81,12 @@ class TensorBoardLogger(LoggerDestination):
     def writer(self) -> Any:
         """The ``SummaryWriter``, created on first use."""
         if self._writer is None:
-            self._writer = self._writer_class(log_dir=str(self.log_dir))
+            folder = str(self.log_dir)
+            if self.url is not None:  # the storage is touched on the first write only
+                if self._remote is None:
+                    self._remote = RemoteFolder(self.url, self.storage_options, owner="TensorBoardLogger")
+                folder = str(self._remote.staging)
+            self._writer = self._writer_class(log_dir=folder)
         return self._writer
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -83,11 +105,18 @@ class TensorBoardLogger(LoggerDestination):
     def log_text(self, text: str, step: int | None = None) -> None:
         self.writer.add_text("text", text, global_step=step)
 
+    def log_images(self, images: Any, name: str, step: int | None = None) -> None:
+        self.writer.add_images(name, images, global_step=step, dataformats="NHWC")
+
     def flush(self) -> None:
         if self._writer is not None:
             self._writer.flush()
+            if self._remote is not None:
+                self._remote.push()
 
     def close(self, state: State | None = None, logger: Any = None) -> None:
         if self._writer is not None:
             self._writer.close()  # flushes first
             self._writer = None
+        if self._remote is not None:
+            self._remote.close()

@@ -17,7 +17,8 @@ __all__ = ["WandBLogger"]
 
 
 class WandBLogger(LoggerDestination):
-    """Logs metrics with ``run.log`` and hyperparameters into ``run.config`` of a W&B run.
+    """Logs metrics with ``run.log``, images as ``wandb.Image`` lists and hyperparameters into
+    ``run.config`` of a W&B run.
 
     The run starts on the first write (so only writing ranks create one). Without credentials
     (no ``WANDB_API_KEY``, no ``WANDB_IDENTITY_TOKEN_FILE``, no ``wandb login`` entry in
@@ -84,6 +85,11 @@ class WandBLogger(LoggerDestination):
 
     def log_hyperparameters(self, params: dict[str, Any]) -> None:
         self.run.config.update(params, allow_val_change=True)
+
+    def log_images(self, images: Any, name: str, step: int | None = None) -> None:
+        # One list under one key: W&B shows them as a gallery for the step. Grey images lose their channel axis.
+        pictures = [self._wandb.Image(image[..., 0] if image.shape[-1] == 1 else image) for image in images]
+        self.run.log({name: pictures}, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self._run is None else {"run_id": self._run.id}

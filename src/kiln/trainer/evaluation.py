@@ -29,15 +29,17 @@ from kiln.core.batch import num_samples, split_batch
 from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.data import ShardSampler
+from kiln.trainer.evaluator import Evaluator, chosen_metrics, due_evaluators
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer
 
-__all__ = ["evaluate", "fresh_metrics", "predict", "even_batches"]
+__all__ = ["evaluate", "evaluate_sets", "evaluate_due", "fresh_metrics", "predict", "even_batches"]
 
 
-def fresh_metrics(trainer: Trainer, label: str) -> dict[str, Any]:
-    """The metric objects for ``label``, created once per label and reset before each evaluation."""
+def fresh_metrics(trainer: Trainer, label: str, evaluator: Evaluator | None = None) -> dict[str, Any]:
+    """The metric objects for ``label``, created once per label and reset before each evaluation.
+    A named :class:`~kiln.trainer.evaluator.Evaluator` gets its own copies of the metrics it chose."""
     state = trainer.state
     metrics = state.eval_metrics.get(label)
     if metrics is None:
@@ -48,6 +50,8 @@ def fresh_metrics(trainer: Trainer, label: str) -> dict[str, Any]:
             metrics = dict(model.get_metrics(is_train=False))
         else:
             metrics = {name: m.clone() for name, m in (trainer.eval_metrics or {}).items()}
+        if evaluator is not None and evaluator.named:  # a named set: copies, never shared
+            metrics = chosen_metrics(evaluator.label, evaluator.metrics, metrics)
         metrics = {name: m.to(state.device) for name, m in metrics.items()}
         # The loss is averaged in float64 where the device has it: a long evaluation's float32
         # running sum would drift from the one-process mean. MPS has no float64. set_dtype comes
@@ -190,18 +194,43 @@ def _forward(
     return outputs, trainer.loss_fn(outputs, batch) if with_loss else None, eval_outputs
 
 
+def evaluate_sets(
+    trainer: Trainer, evaluators: list[Evaluator], subset_num_batches: int | None = None
+) -> dict[str, float]:
+    """Evaluate each set in turn (each with its own metrics); returns all their results.
+    ``subset_num_batches`` overrides the sets' own, which override the Trainer's."""
+    default = trainer.options.evaluation.eval_subset_num_batches
+    results: dict[str, float] = {}
+    for evaluator in evaluators:
+        subset = subset_num_batches or evaluator.subset_num_batches or default
+        results.update(evaluate(trainer, evaluator.dataloader, evaluator.prefix, subset, evaluator))
+    return results
+
+
+def evaluate_due(trainer: Trainer, event: Event) -> None:
+    """Evaluate the Trainer's sets that are due at ``event`` (each at its own interval)."""
+    due = due_evaluators(trainer.evaluators, trainer.options.evaluation, trainer.state, event)
+    if due:
+        evaluate_sets(trainer, due)
+
+
 @torch.no_grad()
 def evaluate(
-    trainer: Trainer, dataloader: Any, label: str = "eval", subset_num_batches: int | None = None
+    trainer: Trainer,
+    dataloader: Any,
+    label: str = "eval",
+    subset_num_batches: int | None = None,
+    evaluator: Evaluator | None = None,
 ) -> dict[str, float]:
     """Run ``dataloader`` through the model in eval mode; returns ``{"<label>/loss": ..., "<label>/<Metric>": ...}``.
 
     Metric states are summed across ranks by torchmetrics in ``compute()``, so every rank gets the
     same values, equal to a single-process evaluation of the same data. Padding forwards (see the
-    module docstring) fire no event and update no metric.
+    module docstring) fire no event and update no metric. ``evaluator``: the named set being run,
+    whose metrics are used.
     """
     state, engine, events = trainer.state, trainer.engine, trainer.events
-    metrics = fresh_metrics(trainer, label)
+    metrics = fresh_metrics(trainer, label, evaluator)
     loss_metric = metrics["loss"]
     user_metrics = {k: m for k, m in metrics.items() if k != "loss"}
     model = state.model
