@@ -10,11 +10,14 @@ __all__ = ["main", "build_parser"]
 
 # subcommand modules, each with add_parser(subparsers) that sets `func`
 _COMMANDS = ["kiln.cli.run"]
-_OPTIONAL_COMMANDS = ["kiln.cli.train", "kiln.cli.checkpoint", "kiln.cli.plan"]
+_OPTIONAL_COMMANDS = ["kiln.cli.train", "kiln.cli.checkpoint", "kiln.cli.plan", "kiln.cli.report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kiln import __version__
+
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: train PyTorch models from one CPU to many GPUs")
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(name).add_parser(sub)
