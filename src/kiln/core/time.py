@@ -80,7 +80,7 @@ class Time:
         value: the amount; a whole number for integer units.
         unit: a :class:`TimeUnit` or its string value (``"ep"``).
 
-    Example:
+    Examples:
         >>> Time.from_timestring("2e4sp")
         Time(20000, TimeUnit.SAMPLE)
         >>> Time(10, TimeUnit.EPOCH) * 0.3
@@ -339,7 +339,7 @@ class Timestamp:
             counts (ints or :class:`Time`).
         total_wct, epoch_wct, batch_wct: starting wall-clock seconds.
 
-    Example:
+    Examples:
         >>> ts = Timestamp()
         >>> ts.advance_batch(samples=32, tokens=4096, duration=0.5)
         >>> ts.batch, ts.sample.value, ts >= Time(1, "ba")
@@ -452,7 +452,7 @@ class Timestamp:
 
         A field given as ``None`` keeps its value, as in Composer.
 
-        Example:
+        Examples:
             >>> Timestamp(epoch=2, batch=10).copy(batch=Time(12, "ba")).batch.value
             12
         """

@@ -28,7 +28,7 @@ Conventions, shared by every scheduler in both modules:
 * Past ``total_steps`` the lr holds its final value (torch's cosine would climb back up and
   Colossal-AI's linear decay would go negative if a loop steps once too often).
 
-Example:
+Examples:
     >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
     >>> sched = CosineAnnealingWarmupLR(opt, total_steps=6, warmup_steps=2)
     >>> lrs = []

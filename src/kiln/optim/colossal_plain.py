@@ -105,7 +105,7 @@ class CosineAnnealingLR(_ClosedForm, torch_sched.CosineAnnealingLR):
         eta_min: Final learning rate.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = CosineAnnealingLR(opt, total_steps=4, eta_min=0.1)
         >>> for _ in range(2):
@@ -137,7 +137,7 @@ class MultiStepLR(_ClosedForm, torch_sched.MultiStepLR):
         gamma: Factor applied at each milestone, > 0.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = MultiStepLR(opt, total_steps=10, milestones=[1, 3], gamma=0.5)
         >>> for _ in range(3):
@@ -192,7 +192,7 @@ class OneCycleLR(torch_sched.OneCycleLR):
         final_div_factor: The starting lr divided by this is the final lr, > 0.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0, momentum=0.9)
         >>> sched = OneCycleLR(opt, total_steps=10, div_factor=4.0)
         >>> opt.param_groups[0]["lr"]  # max_lr / div_factor
@@ -263,7 +263,7 @@ class PolynomialLR(_ClosedForm, torch_sched.PolynomialLR):
         power: Exponent of the decay, > 0; 1.0 is linear.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = PolynomialLR(opt, total_steps=4, end_lr=0.0, power=2.0)
         >>> for _ in range(2):
@@ -297,7 +297,7 @@ class ExponentialLR(_ClosedForm, torch_sched.ExponentialLR):
         gamma: Factor applied each step, > 0.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = ExponentialLR(opt, total_steps=10, gamma=0.5)
         >>> opt.step()

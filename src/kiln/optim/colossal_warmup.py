@@ -125,7 +125,7 @@ class CosineAnnealingWarmupLR(_WarmupScheduler):
         eta_min: Final learning rate.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = CosineAnnealingWarmupLR(opt, total_steps=10, warmup_steps=4)
         >>> opt.param_groups[0]["lr"]  # step 0 of 4 warmup steps
@@ -154,7 +154,7 @@ class FlatAnnealingLR(_WarmupScheduler):
         pct_start: Fraction of ``total_steps`` held flat, in ``[0, 1)``.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = FlatAnnealingLR(opt, total_steps=10, pct_start=0.5)
         >>> sched.delay_steps  # steps 0-4 at lr=1.0, then 5 steps of cosine
@@ -187,7 +187,7 @@ class FlatAnnealingWarmupLR(_WarmupScheduler):
         eta_min: Final learning rate.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = FlatAnnealingWarmupLR(opt, total_steps=12, warmup_steps=2, pct_start=0.5)
         >>> (sched.warmup_steps, sched.delay_steps, sched.after_scheduler.total_steps)
@@ -237,7 +237,7 @@ class LinearWarmupLR(_WarmupScheduler):
         warmup_steps: Steps of linear warmup, ``0 <= warmup_steps < total_steps``.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = LinearWarmupLR(opt, total_steps=10, warmup_steps=3)
         >>> opt.param_groups[0]["lr"]  # (0 + 1) / (3 + 1)
@@ -268,7 +268,7 @@ class MultiStepWarmupLR(_WarmupScheduler):
         gamma: Factor applied at each milestone, > 0.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = MultiStepWarmupLR(opt, total_steps=10, warmup_steps=2, milestones=[5])
         >>> sched.after_scheduler.milestones  # shifted onto the post-warmup clock
@@ -307,7 +307,7 @@ class PolynomialWarmupLR(_WarmupScheduler):
         power: Exponent of the decay, > 0; 1.0 is linear.
         last_epoch: Index of the last step, as in torch; -1 starts the schedule.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
         >>> sched = PolynomialWarmupLR(opt, total_steps=10, warmup_steps=2)
         >>> opt.param_groups[0]["lr"]  # step 0 of 2 warmup steps

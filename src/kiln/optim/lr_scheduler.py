@@ -37,7 +37,7 @@ class ComposerLRScheduler(LRScheduler):
         ssr: the scale-schedule ratio passed to ``schedule``.
         last_epoch: as in torch; ``-1`` for a fresh run.
 
-    Example:
+    Examples:
         >>> import torch, types
         >>> from kiln.core.time import Time, Timestamp
         >>> from kiln.optim import LinearScheduler
@@ -109,7 +109,7 @@ def scale_torch_scheduler(scheduler: LRScheduler, ssr: float) -> None:
     ``ExponentialLR.gamma`` becomes ``gamma ** (1 / ssr)``. Any other scheduler cannot be scaled and
     raises, naming what to use instead.
 
-    Example:
+    Examples:
         >>> import torch
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
@@ -175,7 +175,7 @@ def compile_composer_scheduler(
 ) -> ComposerLRScheduler:
     """Wrap a time-aware ``scheduler`` around ``optimizer`` (default: the state's only optimizer).
 
-    Example:
+    Examples:
         >>> # trainer side: lr_sched = compile_composer_scheduler(CosineAnnealingScheduler(), state, opt)
         >>> # every batch: state.timestamp.advance_batch(n); lr_sched.step()
     """

@@ -128,7 +128,7 @@ class ComposerScheduler:
     ``state.max_duration``, returning the multiplier applied to each optimizer's base learning
     rate. Any callable with that signature works where kiln takes a scheduler.
 
-    Example:
+    Examples:
         >>> class Halve(ComposerScheduler):
         ...     def __call__(self, state, ssr=1.0):
         ...         return 0.5
@@ -147,7 +147,7 @@ class ComposerScheduler:
 class ConstantScheduler(ComposerScheduler):
     """``alpha`` until ``t_max``, then 1.
 
-    Example:
+    Examples:
         >>> ConstantScheduler(alpha=0.5, t_max="2ep")
         ConstantScheduler(alpha=0.5, t_max=Time(2, TimeUnit.EPOCH))
     """
@@ -164,7 +164,7 @@ class ConstantScheduler(ComposerScheduler):
 class StepScheduler(ComposerScheduler):
     """``gamma ** floor(t / step_size)``: decay by ``gamma`` every ``step_size``.
 
-    Example:
+    Examples:
         >>> StepScheduler(step_size="30ep", gamma=0.1)
         StepScheduler(step_size=Time(30, TimeUnit.EPOCH), gamma=0.1)
     """
@@ -185,7 +185,7 @@ class StepScheduler(ComposerScheduler):
 class MultiStepScheduler(ComposerScheduler):
     """Multiply by ``gamma`` at each milestone passed.
 
-    Example:
+    Examples:
         >>> MultiStepScheduler(milestones=["0.3dur", "0.5dur", "0.9dur"], gamma=0.1)  # doctest: +ELLIPSIS
         MultiStepScheduler(milestones=[Time(0.3, TimeUnit.DURATION), ...], gamma=0.1)
     """
@@ -208,7 +208,7 @@ class MultiStepScheduler(ComposerScheduler):
 class ExponentialScheduler(ComposerScheduler):
     """``gamma ** (t / decay_period)``: smooth decay by ``gamma`` per ``decay_period``.
 
-    Example:
+    Examples:
         >>> ExponentialScheduler(gamma=0.9)
         ExponentialScheduler(gamma=0.9, decay_period=Time(1, TimeUnit.EPOCH))
     """
@@ -227,7 +227,7 @@ class ExponentialScheduler(ComposerScheduler):
 class LinearScheduler(ComposerScheduler):
     """From ``alpha_i`` to ``alpha_f`` linearly over ``t_max``, then ``alpha_f``.
 
-    Example:
+    Examples:
         >>> LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max="0.5dur")
         LinearScheduler(alpha_i=1.0, alpha_f=0.1, t_max=Time(0.5, TimeUnit.DURATION))
     """
@@ -246,7 +246,7 @@ class LinearScheduler(ComposerScheduler):
 class CosineAnnealingScheduler(ComposerScheduler):
     """``alpha_f + (1 - alpha_f) * (1 + cos(pi * t / t_max)) / 2``, then ``alpha_f``.
 
-    Example:
+    Examples:
         >>> CosineAnnealingScheduler(t_max="1dur", alpha_f=0.01)
         CosineAnnealingScheduler(t_max=Time(1.0, TimeUnit.DURATION), alpha_f=0.01)
     """
@@ -264,7 +264,7 @@ class CosineAnnealingScheduler(ComposerScheduler):
 class CosineAnnealingWarmRestartsScheduler(ComposerScheduler):
     """Cosine annealing that restarts: cycles last ``t_0``, ``t_0 * t_mult``, ``t_0 * t_mult**2``, ...
 
-    Example:
+    Examples:
         >>> CosineAnnealingWarmRestartsScheduler(t_0="10ep", t_mult=2.0)
         CosineAnnealingWarmRestartsScheduler(t_0=Time(10, TimeUnit.EPOCH), t_mult=2.0, alpha_f=0.0)
     """
@@ -296,7 +296,7 @@ class CosineAnnealingWarmRestartsScheduler(ComposerScheduler):
 class PolynomialScheduler(ComposerScheduler):
     """``alpha_f + (1 - alpha_f) * (1 - t / t_max) ** power``, then ``alpha_f``.
 
-    Example:
+    Examples:
         >>> PolynomialScheduler(power=2.0)
         PolynomialScheduler(power=2.0, t_max=Time(1.0, TimeUnit.DURATION), alpha_f=0.0)
     """
@@ -359,7 +359,7 @@ class _WithWarmup(ComposerScheduler):
 class MultiStepWithWarmupScheduler(_WithWarmup):
     """Linear warmup from 0 to 1 over ``t_warmup``, then :class:`MultiStepScheduler` (absolute milestones).
 
-    Example:
+    Examples:
         >>> MultiStepWithWarmupScheduler(t_warmup="1ep", milestones=["10ep", "20ep"])  # doctest: +ELLIPSIS
         MultiStepWithWarmupScheduler(t_warmup=Time(1, TimeUnit.EPOCH), ..., milestones=[...], gamma=0.1)
     """
@@ -381,7 +381,7 @@ class MultiStepWithWarmupScheduler(_WithWarmup):
 class LinearWithWarmupScheduler(_WithWarmup):
     """Warmup from 0 to ``alpha_i`` over ``t_warmup``, then linear from ``alpha_i`` to ``alpha_f`` at ``t_max``.
 
-    Example:
+    Examples:
         >>> LinearWithWarmupScheduler(t_warmup="100ba", alpha_f=0.1)  # doctest: +ELLIPSIS
         LinearWithWarmupScheduler(t_warmup=Time(100, TimeUnit.BATCH), ..., alpha_f=0.1, t_max=...)
     """
@@ -410,7 +410,7 @@ class LinearWithWarmupScheduler(_WithWarmup):
 class ConstantWithWarmupScheduler(LinearWithWarmupScheduler):
     """Warmup from 0 to ``alpha`` over ``t_warmup``, then ``alpha`` (Composer: linear from alpha to alpha).
 
-    Example:
+    Examples:
         >>> ConstantWithWarmupScheduler(t_warmup="0.1dur", alpha=0.5).alpha
         0.5
     """
@@ -437,7 +437,7 @@ class ConstantWithWarmupScheduler(LinearWithWarmupScheduler):
 class CosineAnnealingWithWarmupScheduler(_WithWarmup):
     """Warmup from 0 to 1 over ``t_warmup``, then cosine from 1 to ``alpha_f`` at ``t_max``.
 
-    Example:
+    Examples:
         >>> CosineAnnealingWithWarmupScheduler(t_warmup="0.05dur", alpha_f=0.1).alpha_f
         0.1
     """
@@ -462,7 +462,7 @@ class CosineAnnealingWithWarmupScheduler(_WithWarmup):
 class PolynomialWithWarmupScheduler(_WithWarmup):
     """Warmup from 0 to 1 over ``t_warmup``, then ``(1 - frac) ** power`` decay to ``alpha_f`` at ``t_max``.
 
-    Example:
+    Examples:
         >>> PolynomialWithWarmupScheduler(t_warmup="500ba", power=1.0).power
         1.0
     """
