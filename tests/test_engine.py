@@ -238,3 +238,33 @@ def test_ddp_two_processes(tmp_path, accum):
     assert r0["len"] == 8  # 64 samples / 2 ranks / batch 4: the sampler split the data
     if accum > 1:
         assert r0["unsynced_differs"] == [True] * 4  # no all-reduce on non-final micro-steps
+
+
+@pytest.mark.parametrize(
+    "parallel, named",
+    [
+        (dict(pipeline=2), "pipeline=2, tensor=1"),
+        (dict(tensor=dict(size=2, mode="1d")), "pipeline=1, tensor=2"),
+    ],
+)
+def test_colossal_parallel_sizes_are_refused_not_ignored(parallel, named):
+    # Colossal-AI's parallel section: kiln does not read it, so a size above 1 must stop the run
+    # rather than train on data parallelism alone.
+    model = _model()
+    with pytest.raises(ValueError) as exc:
+        kiln.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), config={"parallel": parallel}
+        )
+    assert named in str(exc.value) and "strategy=dict(name='hybrid'" in str(exc.value)
+
+
+def test_colossal_parallel_data_only_or_with_a_strategy_runs():
+    model = _model()
+    for config in (
+        {"parallel": dict(data=1, tensor=dict(size=1))},
+        {"parallel": dict(pipeline=2), "strategy": "single"},
+    ):
+        engine, *_ = kiln.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), config=config
+        )
+        assert type(engine.strategy).__name__ == "SingleDevice"

@@ -22,9 +22,17 @@ def on_cuda(monkeypatch):
     monkeypatch.setattr(implementation, "_device_type", lambda tensor: "cuda")
 
 
-def test_cpu_gets_foreach():
+def test_cpu_keeps_the_loop_for_plain_tensors_and_takes_foreach_for_dtensors(monkeypatch):
+    # torch's own CPU default: foreach slows a few-tensor model's step (benchmarks/overhead_instructions.py)
     params = list(_model().parameters())
     for cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad):
+        assert choose_implementation(cls, params) == "for-loop", cls
+    opt = torch.optim.SGD(params, lr=0.1)
+    assert apply_default_implementation(opt) == {"for-loop": 1}
+    assert opt.param_groups[0]["foreach"] is None and opt.param_groups[0]["fused"] is None  # left to torch
+    # DTensors (FSDP2, tensor parallel over gloo): the loop would pay DTensor's dispatch per op and parameter
+    monkeypatch.setattr(implementation, "_is_dtensor", lambda tensor: True)
+    for cls in (torch.optim.AdamW, torch.optim.SGD):
         assert choose_implementation(cls, params) == "foreach", cls
 
 
@@ -76,15 +84,12 @@ def test_apply_fills_only_unset_groups(on_cuda):
 
 
 def test_foreach_on_cpu_gives_the_loops_bits():
-    """The CPU default must not move a number: golden runs and resumed checkpoints rely on it."""
+    """foreach (kiln's choice for DTensors on the CPU, or the user's) must not move a number: a
+    checkpoint saved with either implementation resumes alike, golden runs included."""
     results = {}
     for foreach in (False, None):
         model = _model().double()
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=0.01, weight_decay=0.1, foreach=False if foreach is False else None
-        )
-        if foreach is None:
-            assert apply_default_implementation(opt) == {"foreach": 1}
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=foreach is None)
         x = torch.randn(32, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         for _ in range(5):
             opt.zero_grad()
@@ -94,7 +99,7 @@ def test_foreach_on_cpu_gives_the_loops_bits():
     assert all(torch.equal(a, b) for a, b in zip(results[False], results[None]))
 
 
-def test_trainer_applies_the_default():
+def test_trainer_applies_the_default(on_cuda):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
@@ -106,9 +111,60 @@ def test_trainer_applies_the_default():
         max_duration="1ba",
         progress_bar=False,
     )
-    assert trainer.engine.optimizer.param_groups[0]["foreach"] is True
+    assert trainer.engine.optimizer.param_groups[0]["fused"] is True  # "CUDA" (the fixture); fused runs on the CPU too
     trainer.fit()
     other_model = _model()
     explicit = torch.optim.SGD(other_model.parameters(), lr=0.1, foreach=False)
     other = kiln.Trainer(other_model, optimizers=explicit, criterion=nn.CrossEntropyLoss(), progress_bar=False)
     assert other.engine.optimizer.param_groups[0]["foreach"] is False
+
+
+def test_initialize_applies_the_default_and_the_users_choice_wins(on_cuda):
+    model = _model()
+    engine, *_ = kiln.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.01), nn.MSELoss())
+    assert engine.optimizer.param_groups[0]["fused"] is True
+    other = _model()
+    engine, *_ = kiln.initialize(other, torch.optim.AdamW(other.parameters(), lr=0.01, foreach=False), nn.MSELoss())
+    assert engine.optimizer.param_groups[0]["foreach"] is False and engine.optimizer.param_groups[0]["fused"] is None
+
+
+@pytest.fixture
+def first_is_dtensor(monkeypatch):
+    """Tensors marked `dtensor` count as DTensors (of one mesh): a tensor-parallel layer beside plain ones."""
+    monkeypatch.setattr(implementation, "_is_dtensor", lambda tensor: getattr(tensor, "dtensor", False))
+
+
+def _mixed_params() -> list[nn.Parameter]:
+    params = list(_model().parameters())
+    params[0].dtensor = True  # type: ignore[attr-defined]
+    return params
+
+
+def test_a_group_mixing_dtensors_and_tensors_steps_in_a_loop(first_is_dtensor):
+    params = _mixed_params()
+    assert choose_implementation(torch.optim.AdamW, params) == "for-loop"
+    opt = torch.optim.AdamW(params, lr=0.1)
+    assert apply_default_implementation(opt) == {"for-loop": 1}
+    # said explicitly: torch's own default (None) picks foreach for such a group on CUDA, and fails
+    assert opt.param_groups[0]["foreach"] is False and opt.param_groups[0]["fused"] is False
+
+
+def test_the_choice_follows_parameters_a_strategy_points_the_groups_at(first_is_dtensor, on_cuda):
+    """A pipeline builds its stages at the first forward: the groups kiln filled choose again when
+    repoint_optimizer hands them the stage's parameters; the user's group keeps its choice."""
+    from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+
+    model = _model()
+    names = parameter_names(model)
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "foreach": True}])
+    assert apply_default_implementation(opt) == {"fused": 1}
+    stage = {name: nn.Parameter(p.detach().clone()) for name, p in model.named_parameters()}
+    stage["0.weight"].dtensor = True  # type: ignore[attr-defined]  # tensor parallel split it; 0.bias stays plain
+    stage["2.weight"].dtensor = True  # type: ignore[attr-defined]
+    repoint_optimizer(opt, names, stage, strategy="pp")
+    assert opt.param_groups[0]["params"][0] is stage["0.weight"]
+    assert opt.param_groups[0]["foreach"] is False and not opt.param_groups[0]["fused"]  # now a mix: the loop
+    assert opt.param_groups[1]["foreach"] is True  # the user's, as it was
+    plain = {name: nn.Parameter(p.detach().clone()) for name, p in model.named_parameters()}
+    repoint_optimizer(opt, {id(p): n for n, p in stage.items()}, plain, strategy="pp")
+    assert opt.param_groups[0]["fused"] is True  # plain tensors again: fused again

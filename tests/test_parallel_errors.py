@@ -140,3 +140,29 @@ def test_one_rank_strategies_stay_plain():
         "zero2",
         "zero3",
     ]
+
+
+def test_zero1_tells_a_scheduler_on_the_users_optimizer_that_it_stepped(tmp_path):
+    # ZeRO rebuilds the optimizer; a torch LR scheduler built on the user's optimizer checks, at its
+    # first step, that this optimizer stepped first: without the mark every rank warned
+    # "Detected call of `lr_scheduler.step()` before `optimizer.step()`" although the order was right.
+    import warnings
+
+    import torch.distributed as dist
+
+    from kiln.parallel.zero import shard_optimizer
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1
+    )  # the conftest destroys it
+    model = torch.nn.Linear(4, 2)
+    user = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(user, step_size=1, gamma=0.5)
+    zero = shard_optimizer(user)
+    model(torch.ones(3, 4)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zero.step()
+        scheduler.step()
+    assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)] == []
+    assert zero.param_groups[0]["lr"] == 0.05  # the scheduler still sets ZeRO's rate

@@ -35,6 +35,7 @@ from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
+from kiln.optim.implementation import apply_default_implementation
 from kiln.parallel.parallelize import ParallelizeOptions
 from kiln.parallel.strategy import Strategy, get_strategy
 from kiln.precision import Precision, get_precision, precision_from_config
@@ -113,6 +114,9 @@ class Engine:
             )
         self.strategy.configure(gradient_accumulation=gradient_accumulation, clip_grad_norm=clip_grad_norm)
         self.model, self.optimizer = self.strategy.setup(model, optimizer, self.ctx, self.precision)
+        # fused/foreach steps where the user chose neither, now that the parameters are placed and
+        # sharded (a pipeline, which builds its stages later, chooses again then)
+        apply_default_implementation(self.optimizer)
         # which batch this rank reads: tensor and pipeline groups share one
         self.data_parallel_rank, self.data_parallel_size = self.strategy.data_parallel(self.ctx)
         self._criterion = criterion
@@ -444,7 +448,34 @@ class GradAccumLRScheduler:
         self._calls = int(state["calls"])
 
 
+def _parallel_size(value: Any) -> int:
+    """A Colossal-AI ``parallel`` entry's size: ``2`` or ``dict(size=2, mode="1d")``."""
+    if isinstance(value, Mapping):
+        value = value.get("size", 1)
+    try:
+        return int(value if value is not None else 1)
+    except (TypeError, ValueError):
+        raise ValueError(f"config parallel entry {value!r} is not a size; expected an int or dict(size=N)") from None
+
+
+def _check_colossal_parallel(cfg: Mapping[str, Any]) -> None:
+    """Refuse Colossal-AI's ``parallel=dict(pipeline=..., tensor=...)`` sizes above 1 when no
+    ``strategy`` says how: kiln does not read them, and running on data parallelism alone would
+    train a different model layout than the config asks for without a word."""
+    parallel = cfg.get("parallel")
+    if not isinstance(parallel, Mapping) or "strategy" in cfg:
+        return  # no parallel section (or data only), or the user chose kiln's strategy explicitly
+    pp, tp = _parallel_size(parallel.get("pipeline", 1)), _parallel_size(parallel.get("tensor", 1))
+    if pp > 1 or tp > 1:
+        raise ValueError(
+            f"config parallel={dict(parallel)!r} asks for pipeline={pp}, tensor={tp}, which kiln does not read "
+            f"from Colossal-AI's parallel section; say it with kiln's strategy instead, e.g. "
+            f"strategy=dict(name='hybrid', pp={pp}, tp={tp}, split_points=[...]) (or 'tp' / 'pp' alone)"
+        )
+
+
 def _strategy_from_config(cfg: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    _check_colossal_parallel(cfg)
     spec = cfg.get("strategy", "auto")
     if isinstance(spec, Mapping):
         options = dict(spec)

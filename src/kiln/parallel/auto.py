@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["Auto"]
+__all__ = ["Auto", "peek_first_batch"]
 
 
 class Auto(Strategy):
@@ -51,19 +51,43 @@ class Auto(Strategy):
         self.chosen: Strategy | None = None
         self.table: list[PlanRow] = []
         self.reason = "not planned yet: setup() plans"
+        self._example_from_loader = False
+
+    def use_loader_example(self, batch: Any) -> None:
+        """Measure activations on ``batch``, the training loader's first microbatch (the Trainer
+        passes it when the user gave no ``example_input``). Unlike an example the user gave, one
+        the estimate cannot run leaves the plan without activations, with a warning, rather than
+        stopping a run that never asked for the estimate."""
+        self.example_input, self._example_from_loader = batch, True
 
     def setup(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         options = self.parallelize_options
-        self.table = plan_table(
-            model,
-            optimizer,
-            ctx.world_size,
-            self.memory_budget,
-            self.example_input,
-            activation_checkpointing=options.activation_checkpointing,
-        )
+
+        def plan(example: Any) -> list[PlanRow]:
+            return plan_table(
+                model,
+                optimizer,
+                ctx.world_size,
+                self.memory_budget,
+                example,
+                activation_checkpointing=options.activation_checkpointing,
+            )
+
+        try:
+            self.table = plan(self.example_input)
+        except Exception as exc:
+            if not self._example_from_loader:
+                raise
+            from kiln.launch.logging import get_dist_logger
+
+            get_dist_logger().warning(
+                f"strategy='auto' could not measure activations on the training loader's first batch "
+                f"({type(exc).__name__}: {exc}); planning without them (pass Auto(example_input=...) to choose one)",
+                ranks=[0],
+            )
+            self.table = plan(None)
         row = next(r for r in self.table if r.chosen)
         self.chosen = get_strategy(row.strategy, ctx)
         self.chosen.find_unused_parameters = self.find_unused_parameters
@@ -135,3 +159,48 @@ class Auto(Strategy):
 
     def __repr__(self) -> str:
         return f"Auto(chosen={self.chosen!r})"
+
+
+def peek_first_batch(loader: Any) -> Any:
+    """The first batch ``loader`` would give, read without iterating it, or None where that is not
+    possible: for the activation estimate (:class:`Auto`'s ``example_input``) of a run whose loader
+    must stay where it is (an exact resume replays no batch and skips none).
+
+    A ``DataLoader`` over a map-style dataset: its ``collate_fn`` on the dataset's first
+    ``batch_size`` samples (iterating it would draw a shuffling seed from torch's generator and
+    start workers). A sequence of batches (a list): its first item. Anything else (an iterator, an
+    iterable or streaming dataset, a custom batch sampler): None. The random number generators of
+    torch (CPU), ``random`` and NumPy are put back afterwards, so a dataset whose ``__getitem__``
+    draws (random augmentation) leaves the run's draws as they were. Only the batch's shapes
+    matter to the estimate: which samples are read does not.
+    """
+    import random
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if isinstance(loader, DataLoader):
+        dataset, size = loader.dataset, loader.batch_size
+        if size is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            return None
+        count = min(size, len(dataset))
+        if count == 0:
+            return None
+        python_state = random.getstate()
+        numpy_random: Any = None
+        try:
+            import numpy
+
+            numpy_random = numpy.random
+        except ImportError:  # NumPy is optional
+            pass
+        numpy_state = numpy_random.get_state() if numpy_random is not None else None
+        try:
+            with torch.random.fork_rng(devices=[]):
+                return loader.collate_fn([dataset[i] for i in range(count)])
+        finally:
+            random.setstate(python_state)
+            if numpy_random is not None:
+                numpy_random.set_state(numpy_state)
+    if isinstance(loader, (list, tuple)) and loader:
+        return loader[0]
+    return None

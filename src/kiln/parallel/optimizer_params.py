@@ -71,3 +71,8 @@ def repoint_optimizer(
                     "it was being parallelised"
                 )
         group["params"] = params
+    # the fused/foreach choice kiln made for the old parameters may not suit the new ones (a
+    # pipeline stage's mix of tensor-parallel DTensors and plain tensors takes no foreach step)
+    from kiln.optim.implementation import refresh_default_implementation
+
+    refresh_default_implementation(optimizer)

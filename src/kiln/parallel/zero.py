@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,4 +90,18 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, parameters_as_bucket_view:
     # optimizer before each step. Sharing the user's group dicts, which hold the same parameters in
     # the same order, keeps an LR scheduler built on the user's optimizer in charge of the rate.
     zero.param_groups = optimizer.param_groups
+    # Such a scheduler also checks, at its first step, that the user's optimizer stepped before it
+    # (torch marks that in a wrapper of the user's step, which ZeRO never calls): mark it from ZeRO's.
+    zero.register_step_post_hook(_marks_stepped(optimizer))
     return zero
+
+
+def _marks_stepped(optimizer: torch.optim.Optimizer) -> Any:
+    user = weakref.ref(optimizer)
+
+    def hook(*_: Any) -> None:
+        target = user()
+        if target is not None:
+            target._opt_called = True  # type: ignore[attr-defined]  # what torch's LRScheduler reads
+
+    return hook

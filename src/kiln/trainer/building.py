@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.core.batch import num_samples, split_batch
 from kiln.core.model import Model
 from kiln.engine import Engine
 from kiln.launch.context import Context, resolve_device
-from kiln.optim.implementation import apply_default_implementation
-from kiln.trainer.options import LeverOptions
+from kiln.trainer.options import LeverOptions, MicrobatchOptions
 
 __all__ = ["build_engine", "targets_loss", "check_algorithms", "split_schedulers", "check_schedulers"]
 
@@ -34,13 +34,17 @@ def build_engine(
     deepspeed_config: Mapping[str, Any] | str | None,
     algorithms: Sequence[Any],
     batch_size: int | None = None,
+    train_dataloader: Any = None,
+    microbatching: MicrobatchOptions | None = None,
     device: str | torch.device | None = None,
     ctx: Context,
 ) -> Engine:
     """The Engine for ``Trainer(model, optimizers=, criterion=, ...)``; ``batch_size``: the training
     loader's, per rank (DeepSpeed's config takes it when it names no batch size); ``device``: the
     Trainer's ``device=`` (see :func:`kiln.launch.context.resolve_device`); ``levers``: compile and
-    activation checkpointing, which the Engine hands to the strategy before its setup."""
+    activation checkpointing, which the Engine hands to the strategy before its setup;
+    ``train_dataloader`` and ``microbatching``: where ``strategy="auto"`` takes its example
+    microbatch (:func:`_auto_with_example`)."""
     if model is None:
         raise ValueError("Trainer needs model= (or engine= in the Colossal-AI form)")
     # The one place device= takes effect: the strategy places the model on ctx.device and the
@@ -56,6 +60,7 @@ def build_engine(
     optimizer = _single_optimizer(optimizers) or torch.optim.SGD(model.parameters(), lr=0.1)
     if deepspeed_config is not None:  # Composer's switch: any dict, {} included, means DeepSpeed
         strategy = _deepspeed_strategy(strategy, deepspeed_config, batch_size)
+    strategy = _auto_with_example(strategy, model, train_dataloader, microbatching, ctx)
     if any(getattr(a, "find_unused_parameters", False) for a in algorithms):
         from kiln.parallel.strategy import get_strategy
 
@@ -73,9 +78,45 @@ def build_engine(
         float8=levers.float8 if levers is not None else None,
         ctx=ctx,
     )
-    # fused/foreach steps where the user chose neither: after setup, which placed and sharded the parameters
-    apply_default_implementation(engine.optimizer)
     return engine
+
+
+def _auto_with_example(
+    strategy: Any, model: nn.Module, loader: Any, microbatching: MicrobatchOptions | None, ctx: Context
+) -> Any:
+    """``strategy="auto"`` (or an ``Auto`` without ``example_input``) with the training loader's first
+    microbatch as its example, so its plan counts activations. The loader is only peeked at
+    (:func:`kiln.parallel.auto.peek_first_batch`): its position and the run's random draws stay
+    as they were. Any other strategy, or a loader that cannot be peeked, is left as it is."""
+    from kiln.parallel.auto import Auto, peek_first_batch
+    from kiln.parallel.strategy import get_strategy
+
+    named_auto = strategy is None or (isinstance(strategy, str) and strategy.lower() == "auto")
+    if loader is None or not (named_auto or isinstance(strategy, Auto)):
+        return strategy
+    strategy = get_strategy(strategy, ctx)  # "auto" on one rank is single: nothing to plan
+    if not isinstance(strategy, Auto) or strategy.example_input is not None:
+        return strategy
+    batch = peek_first_batch(loader)
+    if batch is None:
+        return strategy
+    try:
+        size = num_samples(batch)
+    except ValueError:  # no tensor in it: nothing to measure
+        return strategy
+    if microbatching is not None and microbatching.splits_batches:
+        microbatch = microbatching.microbatch_size(size)
+        if microbatch < size:  # the estimate is of one microbatch, as the step runs them
+            batch = split_batch(batch, microbatch)[0]
+    if not isinstance(model, Model) and isinstance(batch, (tuple, list)) and batch:
+        batch = (batch[0],)  # (inputs, targets): the forward takes the inputs, as one argument
+    device = next((p.device for p in model.parameters()), None)
+    if device is not None:  # where the model is now: the estimate runs before the strategy places it
+        from torch.utils._pytree import tree_map_only
+
+        batch = tree_map_only(torch.Tensor, lambda t: t.to(device), batch)
+    strategy.use_loader_example(batch)
+    return strategy
 
 
 def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
