@@ -7,13 +7,15 @@ DS_STAMP := $(VENV)/.deepspeed-installed
 
 LINT_PATHS := src tests benchmarks examples
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test lint install bench clean docs
 
 # torch is pinned and installed first: with nothing installed, a looser spec pulls a multi-GB
-# CUDA build; 2.13.0 is the local CPU build here and the default build elsewhere.
+# CUDA build; 2.13.0 is the local CPU build here and the default build elsewhere. The distribution
+# was called "kiln" before 0.2.0 (now kiln-train): an old install of it claims the same files.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip uninstall --quiet --yes kiln 2>/dev/null || true
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
@@ -38,9 +40,19 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Lint first: it fails in seconds, before the DeepSpeed build and the suite.
-# KILN_TEST_REQUIRE: optional packages whose tests must run here rather than skip.
+# KILN_TEST_REQUIRE: optional packages (and tools) whose tests must run here rather than skip:
+# deepspeed always; a value from the environment is added (.ci/run adds chromium).
+comma := ,
+TEST_REQUIRE := deepspeed$(if $(KILN_TEST_REQUIRE),$(comma)$(KILN_TEST_REQUIRE))
 test: lint $(DS_STAMP)
-	KILN_TEST_REQUIRE=deepspeed $(PY) -m pytest -q
+	KILN_TEST_REQUIRE=$(TEST_REQUIRE) $(PY) -m pytest -q
+
+# The documentation site (mkdocs.yml) into $(SITE_DIR), built strictly: a broken link, nav entry
+# or API reference fails it. tests/test_docs.py runs the same build into a temporary folder, so
+# `make test` covers it without writing site/.
+SITE_DIR ?= site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(SITE_DIR)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -26,3 +26,8 @@ def _clean_kiln_state(monkeypatch):
     destroy()
     os.environ.clear()
     os.environ.update(saved)
+    # fsspec keeps one filesystem per set of arguments; an S3 endpoint read from AWS_ENDPOINT_URL
+    # is not among them, so a later test's local S3 server (another port) would get this test's.
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -490,3 +490,34 @@ def test_fit_with_reset_time_starts_time_and_data_again_from_epoch_zero():
     before, after, trainer = run("3ba", "5ba", reset=True)
     assert before == fresh[:3] and after == fresh  # epoch 0's order again, from its first batch
     assert trainer.state.timestamp.batch.value == 5 and trainer.state.timestamp.batch_in_epoch.value == 5
+
+
+def test_the_last_steps_outputs_are_not_kept_alive_through_the_next_forward():
+    # Holding state.outputs into the next forward kept one extra logits tensor alive at the peak
+    # (benchmarks/lm.py measured it: 1 MiB on the small Llama).
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+            self.previous_alive: list[bool] = []
+            self.state = None
+
+        def forward(self, x):
+            if self.state is not None:
+                self.previous_alive.append(self.state.outputs is not None)
+            return self.lin(x)
+
+    model = Probe()
+    data = [(torch.randn(3, 4), torch.randint(0, 2, (3,))) for _ in range(4)]
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=data,
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        max_duration="1ep",
+        progress_bar=False,
+    )
+    model.state = trainer.state
+    trainer.fit()
+    assert model.previous_alive == [False] * 4
+    assert trainer.state.outputs is not None  # after the step, callbacks and users still see them

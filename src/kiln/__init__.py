@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "Model": "kiln.core.model",
     # loop
     "Trainer": "kiln.trainer.trainer",
+    "Evaluator": "kiln.trainer.evaluator",
 }
 
 _SUBMODULES = {
@@ -63,6 +64,7 @@ _SUBMODULES = {
     "trainer",
     "checkpoint",
     "config",
+    "report",
     "cli",
 }
 

@@ -1,5 +1,6 @@
 """The loop: the Trainer, its evaluation, and the Colossal-AI / nnScaler hook adapters."""
 
+from kiln.trainer.evaluator import Evaluator
 from kiln.trainer.trainer import Trainer
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "Evaluator"]

@@ -72,6 +72,8 @@ class EventRunner:
         # this set for a whole fit() and skips the events outside it with one lookup.
         self.active: set[Event] = set()
         self._callbacks: dict[Event, list[Callback]] = {}
+        # Counts rebuilds: the Trainer keeps its per-step choices (which events a step fires) until it moves.
+        self.version = 0
         self.rebuild()
 
     def add(self, callback: Callback) -> None:
@@ -99,6 +101,7 @@ class EventRunner:
             active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
         self.active.clear()
         self.active.update(active)
+        self.version += 1
 
     def describe(self) -> str:
         """The last event and the batch it belongs to: ``AFTER_FORWARD (batch 5)`` (batches count from 1)."""

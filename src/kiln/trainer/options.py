@@ -28,6 +28,7 @@ __all__ = [
     "LogOptions",
     "CheckpointOptions",
     "LeverOptions",
+    "DataOptions",
     "resolve_duration",
 ]
 
@@ -238,6 +239,9 @@ class CheckpointOptions:
     """A checkpoint to load before training (``"last"``/``"best"`` inside ``save_folder`` too)."""
     autoresume: bool = False
     """Load ``save_folder``'s ``last`` when there is one (a restarted job continues)."""
+    storage_options: Mapping[str, Any] | None = None
+    """For URL save folders and load paths (``s3://...``): the fsspec filesystem's options
+    (credentials, ``endpoint_url``); by default the standard environment variables."""
 
     def __post_init__(self) -> None:
         # The checkpoint layer's own rules. Imported here rather than at the top so that importing
@@ -274,6 +278,23 @@ class LeverOptions:
 
 
 @dataclass
+class DataOptions:
+    """How the training loader is built around the user's (see :func:`kiln.launch.streaming.resumable_train_loader`)."""
+
+    stateful_dataloader: bool | None = None
+    """``True``: a torch DataLoader becomes torchdata's ``StatefulDataLoader`` (its state resumes
+    iterable data mid-epoch without replay); ``None``: only one over an iterable dataset with
+    ``state_dict``/``load_state_dict`` and workers; ``False``: never."""
+
+    def __post_init__(self) -> None:
+        if not (self.stateful_dataloader is None or isinstance(self.stateful_dataloader, bool)):
+            raise ValueError(
+                f"stateful_dataloader={self.stateful_dataloader!r} must be True, False or None "
+                "(None: only for an iterable dataset with state read by workers)"
+            )
+
+
+@dataclass
 class TrainerOptions:
     """The Trainer's validated arguments, by group (``trainer.options.microbatching.grad_accum``)."""
 
@@ -283,3 +304,4 @@ class TrainerOptions:
     logging: LogOptions = field(default_factory=LogOptions)
     checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)
     levers: LeverOptions = field(default_factory=LeverOptions)
+    data: DataOptions = field(default_factory=DataOptions)

@@ -24,15 +24,18 @@ from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
 from kiln.launch import heartbeat
 from kiln.launch.context import context, resolve_device, seed_everything
-from kiln.launch.data import ShardSampler, with_resumable_sampler
+from kiln.launch.data import ShardSampler
 from kiln.launch.loader import ResumableLoader
+from kiln.launch.streaming import resumable_train_loader
 from kiln.loggers.logger import Logger
 from kiln.precision import Precision
 from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
-from kiln.trainer.evaluation import evaluate, predict
+from kiln.trainer.evaluation import evaluate_due, evaluate_sets, predict
+from kiln.trainer.evaluator import Evaluator, as_evaluators, evaluates_on
 from kiln.trainer.events import EventRunner
 from kiln.trainer.options import (
     CheckpointOptions,
+    DataOptions,
     DurationOptions,
     EvalOptions,
     LeverOptions,
@@ -52,7 +55,9 @@ class Trainer:
     Args:
         model: a :class:`kiln.Model`, or any ``nn.Module`` with ``criterion=`` (batches are
             ``(inputs, targets)``).
-        train_dataloader, eval_dataloader: iterables of batches (per-rank batches).
+        train_dataloader, eval_dataloader: iterables of batches (per-rank batches). ``eval_dataloader``
+            may also be a :class:`kiln.Evaluator` or a list of them: named sets, each with its own
+            metrics and interval, logged as ``eval/<label>/<metric>``.
         max_duration: int epochs or a time string (``"10ep"``, ``"500ba"``, ``"2e4sp"``,
             ``"1e6tok"``, ``"1h30m"``) or a :class:`kiln.Time`.
         optimizers, schedulers: a torch optimizer; torch schedulers (stepped per epoch unless
@@ -76,7 +81,13 @@ class Trainer:
         eval_interval: a Time (``"1ep"``, ``"100ba"``) or int epochs.
         train_subset_num_batches: train on only the first N batches of each epoch (Composer's;
             ``None`` or ``-1``: the whole loader). Epoch-based times count N batches per epoch.
-        save_folder, save_interval, ...: checkpointing (see :mod:`kiln.checkpoint`).
+        stateful_dataloader: ``True`` rebuilds a torch DataLoader as torchdata's
+            ``StatefulDataLoader``, whose state (each worker's iterable dataset's too) resumes the
+            data mid-epoch without replay; ``None`` does so only for an iterable dataset with
+            ``state_dict``/``load_state_dict`` and workers; ``False`` never.
+        save_folder, save_interval, ...: checkpointing (see :mod:`kiln.checkpoint`); ``save_folder``
+            and ``load_path`` may be fsspec URLs (``s3://bucket/run``), with ``storage_options``
+            (credentials, ``endpoint_url``) for their filesystem, by default the environment's.
         engine, logger: the Colossal-AI form ``Trainer(engine=engine, logger=logger)``.
 
     Example::
@@ -91,7 +102,7 @@ class Trainer:
         model: nn.Module | None = None,
         *,
         train_dataloader: Iterable | None = None,
-        eval_dataloader: Iterable | None = None,
+        eval_dataloader: Iterable | Evaluator | Sequence[Evaluator] | None = None,
         max_duration: int | str | Time | None = None,
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         schedulers: Any = None,
@@ -131,6 +142,8 @@ class Trainer:
         config: Mapping[str, Any] | None = None,
         deepspeed_config: Mapping[str, Any] | str | None = None,
         train_subset_num_batches: int | None = None,
+        stateful_dataloader: bool | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(model, Engine) and engine is None:  # Colossal-AI's Trainer(engine)
             model, engine = None, model
@@ -146,6 +159,7 @@ class Trainer:
             evaluation=EvalOptions(eval_interval, eval_subset_num_batches),  # type: ignore[arg-type]  # made a Time
             logging=LogOptions(loggers, log_interval, progress_bar),
             levers=LeverOptions(compile, activation_checkpointing, float8),
+            data=DataOptions(stateful_dataloader),
             checkpointing=CheckpointOptions(
                 save_folder,
                 save_interval,
@@ -155,6 +169,7 @@ class Trainer:
                 save_async,
                 load_path,
                 autoresume,
+                storage_options,
             ),
         )
         ctx = context()
@@ -180,6 +195,8 @@ class Trainer:
                 deepspeed_config=deepspeed_config,
                 algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
                 batch_size=getattr(train_dataloader, "batch_size", None),
+                train_dataloader=train_dataloader,
+                microbatching=opts.microbatching,
                 device=device,
                 ctx=ctx,
             )
@@ -222,11 +239,13 @@ class Trainer:
 
         self.logger = Logger(opts.logging.loggers, rank=ctx.rank, state=state)
         self.events = EventRunner(state, self.logger)
+        self._step_plan: tuple[Any, ...] = (-1,)  # _plan_step's choices, for the listeners of events.version
         self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0, logger=self.logger)
 
         # -- data ----------------------------------------------------------------------------
         self.train_dataloader: Iterable | None = None
-        self.eval_dataloader: Iterable | None = None
+        self.eval_dataloader: Iterable | None = None  # the first evaluation set's loader
+        self.evaluators: list[Evaluator] = []  # every evaluation set (a plain loader is one, labelled eval)
         self._set_train_dataloader(train_dataloader)
         self._set_eval_dataloader(eval_dataloader)
 
@@ -245,6 +264,7 @@ class Trainer:
                 save_type=save_type,
                 save_best=save_best,
                 save_async=save_async,
+                storage_options=storage_options,
             )
             self.events.add(self._saver)
 
@@ -258,7 +278,13 @@ class Trainer:
         if not isinstance(loader, ResumableLoader):  # one the user built is used as it is
             seed = self.state.seed if self.state.seed is not None else 1024
             engine = self.engine
-            loader = with_resumable_sampler(loader, seed, engine.data_parallel_size, engine.data_parallel_rank)
+            loader = resumable_train_loader(
+                loader,
+                seed,
+                engine.data_parallel_size,
+                engine.data_parallel_rank,
+                self.options.data.stateful_dataloader,
+            )
             subset, resumable = self.options.duration.train_subset_num_batches, self.state.dataloader
             # the run's position (a loaded checkpoint's, or the last loader's) goes on
             if isinstance(resumable, ResumableLoader):
@@ -272,28 +298,32 @@ class Trainer:
         except TypeError:
             self.state.dataloader_len = None
 
-    def _set_eval_dataloader(self, loader: Iterable | None) -> None:
+    def _set_eval_dataloader(self, loader: Any) -> None:
         if loader is not None:
-            self.eval_dataloader = ShardSampler.wrap(
-                loader, self.engine.data_parallel_size, self.engine.data_parallel_rank
-            )
+            self.evaluators = as_evaluators(loader, self._shard)
+            self.eval_dataloader = self.evaluators[0].dataloader
+
+    def _shard(self, loader: Any) -> Any:
+        return ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
 
     def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
         if autoresume:  # with a save_folder: CheckpointOptions checked it
             from kiln.checkpoint.layout import resolve_checkpoint
 
-            if resolve_checkpoint(save_folder, "last", must_exist=False) is not None:
+            if resolve_checkpoint(save_folder, "last", False, self.options.checkpointing.storage_options) is not None:
                 load_path = "last"
         if load_path is None:
             return
         from kiln.checkpoint import load_checkpoint
         from kiln.checkpoint.layout import resolve_checkpoint
 
-        path = resolve_checkpoint(save_folder, load_path)
+        path = resolve_checkpoint(save_folder, load_path, storage_options=self.options.checkpointing.storage_options)
         assert path is not None  # must_exist: resolve_checkpoint raised otherwise
         self.events.run(Event.BEFORE_LOAD)
         load_checkpoint(path, self.state)
         self.events.run(Event.AFTER_LOAD)
+        # A mark on the run's time axis (where `kiln report` draws the resume); no device read.
+        self.logger.log_metrics({"checkpoint/resumed": 1}, step=self.state.timestamp.batch.value)
 
     # -- small helpers the loop and the evaluator share ----------------------------------------
     def to_device(self, batch: Any) -> Any:
@@ -308,7 +338,7 @@ class Trainer:
         self,
         train_dataloader: Iterable | None = None,
         duration: int | str | Time | None = None,
-        eval_dataloader: Iterable | None = None,
+        eval_dataloader: Iterable | Evaluator | Sequence[Evaluator] | None = None,
         epochs: int | None = None,
         test_dataloader: Iterable | None = None,
         test_interval: int = 1,
@@ -339,8 +369,8 @@ class Trainer:
         # without callbacks is a handful of attribute reads (benchmarks/overhead.py).
         active, run = events.active, events.run
         move, world = self.engine.device.type != "cpu", self.engine.data_parallel_size
-        evaluate_batches = self.eval_dataloader is not None and opts.evaluation.evaluates_on(Event.BATCH_END)
-        eval_due, log_every = opts.evaluation.eval_due, opts.logging.log_every
+        evaluate_batches = evaluates_on(self.evaluators, opts.evaluation, Event.BATCH_END)
+        log_every = opts.logging.log_every
         heartbeat.follow(events.describe)
         try:
             run(Event.FIT_START)
@@ -372,7 +402,8 @@ class Trainer:
                     tokens = 0 if type(state.batch) in (tuple, list) else num_tokens(state.batch)
                     self._train_batch(samples)
                     ts.advance_batch(samples * world, tokens * world, time.perf_counter() - start)
-                    state.metrics["train/loss"] = state.loss.detach()
+                    if active or evaluate_batches:  # else nobody reads it before the loop stops (below)
+                        state.metrics["train/loss"] = state.loss.detach()
                     for scheduler in self._per_batch_schedulers:
                         scheduler.step()
                     if _BATCH_END in active:
@@ -383,12 +414,14 @@ class Trainer:
                         progress.update(state)
                     # Evaluation runs before the checkpoint event (Composer's order): the checkpoint
                     # then holds this step's metrics and the RNG state after the eval loader drew from it.
-                    if evaluate_batches and eval_due(state, Event.BATCH_END):
-                        self.eval()
+                    if evaluate_batches:
+                        evaluate_due(self, Event.BATCH_END)  # each set at its own interval
                     if _BATCH_CHECKPOINT in active:
                         run(_BATCH_CHECKPOINT)
                     if state._stop or (not by_epoch and getattr(ts, counter) >= limit):
                         break
+                if state.loss is not None:
+                    state.metrics["train/loss"] = state.loss.detach()
                 if batch is not None or state._stop:
                     continue  # stopped inside the epoch: the while condition ends the run
                 if ts.batch_in_epoch.value == 0:
@@ -398,8 +431,8 @@ class Trainer:
                 for scheduler in self._per_epoch_schedulers:
                     scheduler.step()
                 run(Event.EPOCH_END)
-                if self.eval_dataloader is not None and eval_due(state, Event.EPOCH_END):
-                    self.eval()
+                if self.evaluators:
+                    evaluate_due(self, Event.EPOCH_END)
                 run(Event.EPOCH_CHECKPOINT)
             run(Event.FIT_END)
             self.logger.flush()
@@ -460,21 +493,14 @@ class Trainer:
         """One optimizer step over ``state.batch`` (of ``batch_size`` samples), through
         :meth:`Engine.train_step`: this method splits the batch and fires the events between."""
         state, engine, opts = self.state, self.engine, self.options.microbatching
-        active = self.events.active
-        if _BEFORE_TRAIN_BATCH in active:
+        plan = self._step_plan
+        if plan[0] != self.events.version:  # the listeners changed (or the first step)
+            plan = self._plan_step()
+        _, before_train_batch, loss_of, after_backward, after_microbatches, before_step = plan
+        if before_train_batch:
             self.events.run(_BEFORE_TRAIN_BATCH)
             batch_size = num_samples(state.batch)  # an algorithm may have resized the batch
         self._step_batch = batch = state.batch
-        after_backward = self._after_backward if _AFTER_BACKWARD in active else None
-        before_step = self._before_optimizer_step if _BEFORE_OPTIMIZER_STEP in active else None
-        # nothing to do between the microbatches and the step: the batch and its loss go back on the state after it
-        after_microbatches = (
-            self._after_microbatches
-            if before_step is not None or _AFTER_TRAIN_BATCH in active or opts.auto_microbatch
-            else None
-        )
-        # without listeners between forward and backward, the loss needs no event checks
-        loss_of = self._plain_loss if active.isdisjoint(_MICROBATCH_EVENTS) else self._microbatch_loss
         while True:
             microbatch_size = opts.microbatch_size(batch_size) if opts.splits_batches else batch_size
             microbatches = split_batch(batch, microbatch_size) if microbatch_size < batch_size else (batch,)
@@ -502,11 +528,30 @@ class Trainer:
                 if engine.device.type == "cuda":
                     torch.cuda.empty_cache()
 
+    def _plan_step(self) -> tuple[Any, ...]:
+        """What a step fires between its phases, given who listens now; kept in ``_step_plan`` (per
+        step this is a handful of set lookups, which the loop pays only when the listeners change)."""
+        active, events = self.events.active, self.events
+        after_backward = self._after_backward if _AFTER_BACKWARD in active else None
+        before_step = self._before_optimizer_step if _BEFORE_OPTIMIZER_STEP in active else None
+        # nothing to do between the microbatches and the step: the batch and its loss go back on the state after it
+        after_microbatches = (
+            self._after_microbatches
+            if before_step is not None or _AFTER_TRAIN_BATCH in active or self.options.microbatching.auto_microbatch
+            else None
+        )
+        # without listeners between forward and backward, the loss needs no event checks
+        loss_of = self._plain_loss if active.isdisjoint(_MICROBATCH_EVENTS) else self._microbatch_loss
+        plan = (events.version, _BEFORE_TRAIN_BATCH in active, loss_of, after_backward, after_microbatches, before_step)
+        self._step_plan = plan
+        return plan
+
     # The Engine's train_step calls these between its phases; each fires the Trainer's events there.
     def _microbatch_loss(self, microbatch: Any) -> torch.Tensor:
         """Forward and loss of one microbatch, with their events; the loss the backward takes."""
         state, active, run = self.state, self.events.active, self.events.run
         state.batch = microbatch
+        state.outputs = None  # the last step's outputs would stay alive through this forward
         if _BEFORE_FORWARD in active:
             run(_BEFORE_FORWARD)
         state.outputs = self.forward(state.batch)
@@ -525,6 +570,7 @@ class Trainer:
         """:meth:`_microbatch_loss` when no one listens to its events."""
         state, engine = self.state, self.engine
         state.batch = microbatch
+        state.outputs = None  # the last step's outputs would stay alive through this forward
         if self.loss_fn is self._targets_loss:  # a plain module: (inputs, targets), the criterion on the outputs
             state.outputs = outputs = engine(microbatch[0])
             state.loss = loss = engine.criterion(outputs, microbatch[1])
@@ -567,22 +613,23 @@ class Trainer:
 
     # -- evaluation, prediction, checkpoints ---------------------------------------------------
     def eval(
-        self, dataloader: Iterable | None = None, subset_num_batches: int | None = None, label: str = "eval"
+        self,
+        dataloader: Iterable | Evaluator | Sequence[Evaluator] | None = None,
+        subset_num_batches: int | None = None,
+        label: str = "eval",
     ) -> dict[str, float]:
-        """Evaluate on ``dataloader`` (default: the eval dataloader); returns ``{"eval/loss": ..., "eval/<Metric>": ...}``.
+        """Evaluate on ``dataloader`` (default: every evaluation set of the Trainer); returns
+        ``{"eval/loss": ..., "eval/<Metric>": ...}`` (``label`` replaces ``eval`` for a plain loader),
+        and ``eval/<label>/<Metric>`` for each :class:`kiln.Evaluator`.
 
         Every rank runs the same number of forwards, padding a shorter shard with forwards whose
         outputs count nowhere, so the values equal one process's (see :mod:`kiln.trainer.evaluation`)."""
-        loader = (
-            ShardSampler.wrap(dataloader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
-            if dataloader is not None
-            else self.eval_dataloader
-        )
-        if loader is None:
+        evaluators = as_evaluators(dataloader, self._shard, label) if dataloader is not None else self.evaluators
+        if not evaluators:
             raise ValueError("no evaluation data: pass eval_dataloader= to the Trainer or dataloader= to eval()")
         heartbeat.follow(self.events.describe)
         try:
-            return evaluate(self, loader, label, subset_num_batches or self.options.evaluation.eval_subset_num_batches)
+            return evaluate_sets(self, evaluators, subset_num_batches)
         except RuntimeError as exc:
             heartbeat.raise_if_timed_out(exc)
             raise
@@ -607,7 +654,7 @@ class Trainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         from kiln.checkpoint import load_checkpoint
 
-        load_checkpoint(path, self.state)
+        load_checkpoint(path, self.state, storage_options=self.options.checkpointing.storage_options)
 
     def close(self) -> None:
         """Release loggers and callbacks (files, writers)."""
