@@ -1,7 +1,7 @@
 """Models from other libraries behind the :class:`kiln.Model` interface.
 
 ``kiln.models.HuggingFaceModel`` wraps a Hugging Face ``transformers`` model (Composer's name).
-transformers is an optional extra (``pip install kiln[hf]``): it is imported when a model is
+transformers is an optional extra (``pip install kiln-train[hf]``): it is imported when a model is
 built, never by ``import kiln`` or ``import kiln.models``.
 """
 

@@ -404,7 +404,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ImportError(
-            "kiln.models.HuggingFaceModel.from_config/from_pretrained need transformers: pip install 'kiln[hf]'"
+            "kiln.models.HuggingFaceModel.from_config/from_pretrained need transformers: pip install 'kiln-train[hf]'"
         ) from None
     return transformers
 
