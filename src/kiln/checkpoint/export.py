@@ -22,7 +22,7 @@ import torch
 
 from kiln.checkpoint import layout
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.offline import load_full
+from kiln.checkpoint.offline import load_full, safetensors_weights
 from kiln.precision import DTYPES
 
 __all__ = ["export_hf", "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -83,7 +83,7 @@ def export_hf(
             "pass the model's config: --config DIR (the folder with its config.json) or export_hf(..., config=...)",
         )
     prefix = _weights_prefix(state, saved_prefix)
-    weights = _weights(state, prefix, cast)
+    weights = safetensors_weights(state, prefix, cast)
     if not weights:
         raise CheckpointError(path, "holds no model weights", "export a checkpoint a Trainer or Engine saved")
     config_dict = dict(config_dict)
@@ -117,22 +117,6 @@ def _weights_prefix(state: Mapping[str, Any], saved_prefix: str) -> str:
     if names and all(k.startswith(saved_prefix + _WRAPPED) for k in names):
         return saved_prefix + _WRAPPED  # a HuggingFaceModel's weights, behind "model."
     return saved_prefix
-
-
-def _weights(state: Mapping[str, Any], prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, value in sorted(state.items()):
-        if not isinstance(value, torch.Tensor) or not name.startswith(prefix):
-            continue
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        # safetensors refuses tensors that share storage (tied weights): give each its own.
-        if value.untyped_storage().data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.untyped_storage().data_ptr())
-        weights[name[len(prefix) :]] = value.contiguous()
-    return weights
 
 
 def _config_dict(config: Any) -> dict[str, Any]:

@@ -240,6 +240,24 @@ def _save_durably(file: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def safetensors_weights(state: Any, prefix: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` whose names start with ``prefix`` (dropped from the names), cast
+    to ``dtype`` when floating point, as safetensors' ``save_file`` takes them: contiguous, and a
+    tensor sharing storage with an earlier one (tied weights), which it refuses, copied."""
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, value in sorted(state.items()):
+        if not isinstance(value, torch.Tensor) or not name.startswith(prefix):
+            continue
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        if value.untyped_storage().data_ptr() in seen:
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        weights[name[len(prefix) :]] = value.contiguous()
+    return weights
+
+
 def export_safetensors(path: Any, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:
     """Write the model weights of a checkpoint to a ``.safetensors`` file (for inference and model hubs).
 
@@ -262,17 +280,7 @@ def export_safetensors(path: Any, out: str | os.PathLike, dtype: str | torch.dty
     out = Path(out)
     if out.is_dir():
         out = out / "model.safetensors"
-    weights, seen = {}, set()
-    for name, value in sorted(tensors["model"].items()):
-        if not isinstance(value, torch.Tensor):
-            continue
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        # safetensors refuses tensors sharing storage (tied weights): give each its own.
-        if value.untyped_storage().data_ptr() in seen:
-            value = value.clone()
-        seen.add(value.untyped_storage().data_ptr())
-        weights[name] = value.contiguous()
+    weights = safetensors_weights(tensors["model"], "", dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(layout.temporary_name(out.name))
     save_file(

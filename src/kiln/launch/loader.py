@@ -204,8 +204,9 @@ class ResumableLoader:
         else:
             fix = "use a kiln.ResumableSampler (or a sampler with skip(n)), or torchdata's StatefulDataLoader"
         warnings.warn(
-            f"resuming epoch {self.epoch} at batch {num_batches}: the {what} cannot start mid-epoch, so it "
-            f"fetches the {num_batches} batches{samples} before it again and discards them; to resume "
+            # a resume, or a fit() that goes on with an epoch an earlier fit() left unfinished
+            f"continuing epoch {self.epoch} at batch {num_batches}: the {what} cannot start mid-epoch, so it "
+            f"fetches the {num_batches} batches{samples} before it again and discards them; to continue "
             f"without replay, {fix}",
             stacklevel=3,
         )
