@@ -38,11 +38,50 @@ def kiln_run(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """`kiln run -n nproc script args` in a subprocess; returns the completed process."""
+    """`kiln run -n nproc script args` in a subprocess; returns the completed process.
+
+    Past ``timeout`` it fails with the launch's process tree (state and kernel wait channel of the
+    launcher, each rank and their loader workers) and the output so far, then kills the whole tree:
+    a hang is diagnosable from the failure alone, and no rank outlives the test."""
     cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", str(nproc), *(extra or []), str(script), *args]
-    return subprocess.run(
-        cmd, env={**base_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd
+    proc = subprocess.Popen(
+        cmd, env={**base_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: the tree is found by parent pid
+        pids = _descendants(proc.pid)
+        tree = subprocess.run(
+            ["ps", "-ww", "-o", "pid,ppid,stat,wchan:24,etime,args", "-p", ",".join(map(str, pids))],
+            capture_output=True,
+            text=True,
+        ).stdout
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd[3:])} did not finish within {timeout} s; its processes then:\n{tree}\n"
+            f"stdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _descendants(root: int) -> list[int]:
+    """``root`` and every process below it, parents first."""
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.splitlines()[1:]:
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
 
 
 def run_ranks(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -156,3 +158,22 @@ def test_get_dataloader_single_process_shuffles_by_seed():
     assert a == b and sorted(a) == list(range(20)) and a != list(range(20))
     plain = [int(x) for (b,) in kiln.get_dataloader(data, batch_size=5) for x in b]
     assert plain == list(range(20))
+
+
+def test_a_hung_launch_fails_with_its_process_tree_and_leaves_no_process(tmp_path):
+    # The test helper itself: a launch past its timeout must say what each process was doing and
+    # kill the whole tree (ranks included), not only the launcher.
+    import re
+
+    script = tmp_path / "hang.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(AssertionError, match="did not finish within 20 s") as exc:
+        kiln_run(script, timeout=20)
+    message = str(exc.value)
+    assert "WCHAN" in message and message.count("hang.py") >= 3  # the launcher and both ranks
+    pids = [int(line.split()[0]) for line in message.splitlines() if re.match(r"\s*\d+ ", line)]
+    time.sleep(1)
+    alive = [
+        pid for pid in pids if os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+    ]
+    assert alive == [], f"still running after the timeout: {alive}"
