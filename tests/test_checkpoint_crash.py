@@ -6,7 +6,7 @@ child saves every batch with ``num_checkpoints_to_keep=2`` (sync or async), eith
 run among the old run's checkpoints) or resuming ``last``, and is killed after a random delay once
 it has saved at least once. After every kill:
 
-* ``last`` verifies (sizes, sha256, safe pickles) and loads into a new State at its step;
+* ``last`` verifies (sizes, checksums, safe pickles) and loads into a new State at its step;
 * every complete checkpoint (a folder with a manifest) verifies, and nothing else is there but
   ``*.tmp-*`` debris and the links;
 * at most ``keep + 1`` checkpoints exist (``keep + 1`` only when the kill fell between a commit and

@@ -6,14 +6,14 @@ directories, pickles). Each mutated checkpoint is loaded in this process with ``
 and checked with ``verify_checkpoint``. What must happen:
 
 * **checksums kept** (the manifest as saved): every mutation raises CheckpointError naming the
-  file, from both. Sizes and sha256 catch it before anything is unpickled.
-* **checksums rewritten** (sizes and sha256 recomputed to match the mutated file, so only the
+  file, from both. Sizes and checksums catch it before anything is unpickled.
+* **checksums rewritten** (sizes and checksums recomputed to match the mutated file, so only the
   loader can tell):
 
   - a truncation raises CheckpointError naming the file: it is always structural damage;
   - a flip raises CheckpointError naming the file, or loads. A flip in a tensor's bytes, or in a
     value that still unpickles (a number in a pickle, a date in a zip header), legitimately loads
-    different content; only sha256 can tell, and that is what the first mode checks.
+    different content; only the checksum can tell, and that is what the first mode checks.
     ``verify_checkpoint`` unpickles the pickles but reads no tensor, so it may pass where
     loading fails.
 

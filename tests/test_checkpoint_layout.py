@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kiln.checkpoint import CheckpointError, layout, load_checkpoint, save_checkpoint, verify_checkpoint
+from kiln.checkpoint import CheckpointError, layout, load_checkpoint, save_checkpoint, verification, verify_checkpoint
 from workers.ckpt_common import build_state, train
 
 
@@ -30,7 +30,7 @@ def test_folder_manifest_and_link(saved, tmp_path):
     on_disk = layout.list_files(path)
     assert sorted(manifest["files"]) == on_disk and "manifest.json" not in on_disk
     for name, record in manifest["files"].items():
-        assert record == {"sha256": layout.sha256_file(path / name), "bytes": (path / name).stat().st_size}
+        assert record == {"xxh3_128": verification.checksum_file(path / name)[0], "bytes": (path / name).stat().st_size}
     assert verify_checkpoint(tmp_path / "last")["name"] == "ep0-ba3"
 
 

@@ -30,6 +30,7 @@ from kiln.checkpoint import (
     layout,
     load_checkpoint,
     save_checkpoint,
+    verification,
     verify_checkpoint,
 )
 from kiln.checkpoint.storage import RemotePath, as_path
@@ -126,10 +127,13 @@ def test_save_types_load_bit_exact_with_a_complete_manifest(folder):
         expected = snapshot(state)
         manifest = verify_checkpoint(path)
         assert manifest["save_type"] == save_type and manifest["name"] == path.name
-        # the manifest vouches for exactly the files there, with their sha256 and sizes
+        # the manifest vouches for exactly the files there, with their checksums and sizes
         assert set(manifest["files"]) == _files(path) - {layout.MANIFEST}
         for name, record in manifest["files"].items():
-            assert record == {"sha256": layout.sha256_file(path / name), "bytes": (path / name).stat().st_size}
+            assert record == {
+                "xxh3_128": verification.checksum_file(path / name)[0],
+                "bytes": (path / name).stat().st_size,
+            }
         assert layout.link_target(folder, "last") == path.name
         fresh = build_state(seed=1)
         load_checkpoint("last", fresh, folder=folder)
@@ -172,9 +176,94 @@ def test_a_corrupt_file_is_refused_before_the_state_changes(folder):
     _damage(path / victim)
     fresh = build_state(seed=1)
     before = copy.deepcopy(snapshot(fresh))
-    with pytest.raises(CheckpointError, match=f"{victim}: is corrupt: its sha256 does not match the manifest"):
+    with pytest.raises(
+        CheckpointError, match=f"{victim}: is corrupt: its xxh3_128 checksum does not match the manifest"
+    ):
         load_checkpoint(path, fresh)
     assert_same(before, snapshot(fresh))  # the checksums are taken while reading, but checked before applying
+
+
+def _damage_tensor(path, tensor) -> str:
+    """Flip one byte inside ``tensor``'s saved values (not the zip records around them, whose damage
+    fails the read by itself): only the checksum can tell. Returns the damaged file's name."""
+    needle = tensor.detach().contiguous().numpy().tobytes()
+    for name in sorted(_files(path)):
+        file = as_path(path) / name
+        data = bytearray(file.read_bytes())
+        at = data.find(needle)
+        if name.endswith(".distcp") and at >= 0:
+            data[at + len(needle) // 2] ^= 0x01
+            file.write_bytes(bytes(data))
+            return name
+    raise AssertionError("the tensor's bytes are in no .distcp file")
+
+
+@pytest.mark.parametrize("memory", ["plenty", "none to spare"])
+def test_damaged_tensor_values_are_refused_before_the_state_changes(folder, memory, monkeypatch):
+    """The values still unpickle, so the read succeeds: the checksum alone refuses them. On object
+    stores the load reads the bytes the checksum pass downloaded, unless memory is short."""
+    if memory == "none to spare":
+        monkeypatch.setattr(verification, "memory_to_spare", lambda: 0)
+    state = build_state()
+    train(state, 2)
+    path = save_checkpoint(folder, state)
+    victim = _damage_tensor(path, state.model[0].weight)
+    fresh = build_state(seed=1)
+    before = copy.deepcopy(snapshot(fresh))
+    with pytest.raises(
+        CheckpointError, match=f"{victim}: is corrupt: its xxh3_128 checksum does not match the manifest"
+    ):
+        load_checkpoint(path, fresh)
+    assert_same(before, snapshot(fresh))
+    load_checkpoint(path, fresh, verify=False)  # the damage is real: unchecked, the flipped value loads
+    assert not torch.equal(fresh.model[0].weight, state.model[0].weight)
+
+
+def test_a_verified_load_reads_each_file_once_from_an_object_store(monkeypatch):
+    """The checksum pass downloads each .distcp file once and the load reads those bytes."""
+    folder = f"memory://kiln-test-{uuid.uuid4().hex[:8]}"
+    state = build_state()
+    train(state, 2)
+    path = save_checkpoint(folder, state)
+    fs, reads = path.fs, []
+    cat_file, open_ = fs.cat_file, fs.open
+    monkeypatch.setattr(fs, "cat_file", lambda p, *a, **k: (reads.append(("cat", str(p))), cat_file(p, *a, **k))[1])
+    monkeypatch.setattr(fs, "open", lambda p, *a, **k: (reads.append(("open", str(p))), open_(p, *a, **k))[1])
+    fresh = build_state(seed=1)
+    load_checkpoint(path, fresh)
+    assert_same(snapshot(state), snapshot(fresh))
+    distcp = sorted(n for n in _files(path) if n.endswith(".distcp"))
+    assert sorted(p.rsplit("/", 1)[1] for _, p in reads if p.endswith(".distcp")) == distcp
+    as_path(folder).rmtree()
+
+
+def test_manifests_of_earlier_kiln_with_sha256_still_verify(folder):
+    import hashlib
+
+    state = build_state()
+    train(state, 2)
+    path = save_checkpoint(folder, state)
+    manifest = layout.read_manifest(path)
+    for name, entry in manifest["files"].items():
+        manifest["files"][name] = {
+            "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest(),
+            "bytes": entry["bytes"],
+        }
+    layout.write_manifest(path, manifest)
+    assert verify_checkpoint(path)["files"] == manifest["files"]
+    fresh = build_state(seed=1)
+    load_checkpoint(path, fresh)
+    assert_same(snapshot(state), snapshot(fresh))
+    victim = _damage_tensor(path, state.model[0].weight)
+    with pytest.raises(CheckpointError, match=f"{victim}: is corrupt: its sha256 checksum does not match the manifest"):
+        load_checkpoint(path, fresh)
+    manifest["files"][victim] = {"md5": "0" * 32, "bytes": manifest["files"][victim]["bytes"]}
+    layout.write_manifest(path, manifest)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{victim}: has no checksum this kiln knows in the manifest \(its record: \['bytes', 'md5'\]\); upgrade kiln, or load with verify=False",
+    ):
+        load_checkpoint(path, fresh)
 
 
 def test_a_failure_in_a_writer_thread_is_not_committed(folder, monkeypatch):
@@ -274,7 +363,7 @@ def test_cli_verifies_inspects_and_merges_urls(folder, tmp_path, capsys):
     _damage(path / victim)
     assert main(["checkpoint", "verify", last]) == 1
     err = capsys.readouterr().err
-    assert f"{victim}: is corrupt: its sha256 does not match the manifest" in err
+    assert f"{victim}: is corrupt: its xxh3_128 checksum does not match the manifest" in err
     assert err.count("\n") == 1  # one line, no traceback
 
 

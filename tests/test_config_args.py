@@ -384,6 +384,27 @@ def test_checkpoint_hooks_and_resume_in_process(tmp_path):
     ]
 
 
+def test_resume_from_last_in_an_object_store_with_storage_options():
+    """save_dir may be an fsspec URL: its storage_options reach the Trainer, and resume_from: last
+    finds the pointer object there (a local-path check would miss it and start afresh)."""
+    import uuid
+
+    from kiln.checkpoint.storage import as_path
+
+    pytest.importorskip("fsspec")
+    folder = f"memory://kiln-cfg-{uuid.uuid4().hex[:8]}"
+    hook = {"on_save_checkpoint": "cli_models.save_extra", "on_load_checkpoint": "cli_models.load_extra"}
+    options = {"skip_instance_cache": False}
+    ckpt = {"no_save": False, "save_dir": folder, "every_n_train_steps": 1, "storage_options": options}
+    first = _fit(checkpoint=ckpt, hook=hook)
+    assert first.options.checkpointing.storage_options == options
+    second = _fit(checkpoint={**ckpt, "resume_from": "last"}, hook=hook, max_train_steps=3)
+    assert cli_models.RECORD["loaded"] == [{"note": "saved at 1"}]
+    assert second.state.timestamp.batch.value == 3
+    assert sorted(p.name for p in as_path(folder).iterdir()) == ["ep0-ba1", "ep0-ba2", "ep0-ba3", "last"]
+    as_path(folder).rmtree()
+
+
 def test_durations_schedulers_init_env_and_initial_weights(tmp_path):
     # 8 samples / 2 per step = 4 steps per epoch: max_epochs 1 ends before max_train_steps 10
     assert str(_fit(max_epochs=1, max_train_steps=10).state.max_duration.unit.value) == "ep"

@@ -377,3 +377,51 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(kiln.checkpoint.CheckpointError, match="could not be written"):
         kiln.checkpoint.export_hf(checkpoint, tmp_path / "hf", config=model.config)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_export_to_an_object_store_url(tmp_path, monkeypatch):
+    """--hf and --safetensors to an fsspec URL: the same bytes as a local export, config.json
+    uploaded last; a failed upload leaves nothing in the bucket."""
+    import uuid
+
+    import safetensors.torch
+
+    from kiln.checkpoint.storage import as_path
+
+    pytest.importorskip("fsspec")
+    checkpoint, model = _plain_checkpoint(tmp_path)
+    model.config.save_pretrained(tmp_path / "cfg")
+    bucket = f"memory://kiln-export-{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "hf"
+    assert (
+        kiln_main(["checkpoint", "export", str(checkpoint), "--hf", str(local), "--config", str(tmp_path / "cfg")]) == 0
+    )
+    assert (
+        kiln_main(["checkpoint", "export", str(checkpoint), "--hf", f"{bucket}/hf", "--config", str(tmp_path / "cfg")])
+        == 0
+    )
+    remote = as_path(f"{bucket}/hf")
+    assert sorted(p.name for p in remote.iterdir()) == ["config.json", "model.safetensors"]
+    for name in ("config.json", "model.safetensors"):
+        assert (remote / name).read_bytes() == (local / name).read_bytes(), name
+    assert kiln_main(["checkpoint", "export", str(checkpoint), "--safetensors", f"{bucket}/w.safetensors"]) == 0
+    weights = safetensors.torch.load(as_path(f"{bucket}/w.safetensors").read_bytes())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items()) and len(weights) == len(
+        model.state_dict()
+    )
+
+    order = []
+    write = type(remote).write_bytes
+
+    def fail_on_config(self, data):
+        order.append(self.name)
+        if self.name == "config.json":
+            raise OSError(5, "connection reset (test)")
+        return write(self, data)
+
+    monkeypatch.setattr(type(remote), "write_bytes", fail_on_config)
+    with pytest.raises(kiln.checkpoint.CheckpointError, match="hf2: could not be written .*connection reset"):
+        kiln.checkpoint.export_hf(checkpoint, f"{bucket}/hf2", config=model.config)
+    assert order == ["model.safetensors", "config.json"]  # the config goes last
+    assert not as_path(f"{bucket}/hf2").exists()
+    as_path(bucket).rmtree()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.checkpoint import layout
+from kiln.checkpoint import layout, verification
 from kiln.checkpoint.serialization import read_dcp_metadata
 
 
@@ -32,11 +32,11 @@ def evil_pickles(sentinel) -> dict[str, bytes]:
 
 
 def rehash(path: str | os.PathLike) -> None:
-    """Rewrite the manifest's size and sha256 of every file (and its own checksum) to match the folder:
+    """Rewrite the manifest's size and checksum of every file (and its own checksum) to match the folder:
     what an attacker does, so that only the loader's refusal to run code protects the user."""
     path = Path(path)
     manifest = json.loads((path / layout.MANIFEST).read_text())
-    manifest["files"] = layout.hash_files(path, layout.list_files(path))
+    manifest["files"] = verification.hash_files(path, layout.list_files(path))
     layout.write_manifest(path, manifest)
 
 

@@ -4,7 +4,7 @@
 
     path = kiln.checkpoint.save_checkpoint("runs/a", state)               # runs/a/ep3-ba120, runs/a/last
     kiln.checkpoint.load_checkpoint("last", state, folder="runs/a")       # everything back, on any world size
-    kiln.checkpoint.verify_checkpoint(path)                               # sizes, sha256, safe pickles
+    kiln.checkpoint.verify_checkpoint(path)                               # sizes, checksums, safe pickles
 
 The layout on disk is in :mod:`kiln.checkpoint.layout`, the save types in
 :mod:`kiln.checkpoint.formats`, what a checkpoint holds in :mod:`kiln.checkpoint.state`.

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kiln.checkpoint import collectives, layout
+from kiln.checkpoint import collectives, layout, verification
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.formats import (
     MERGED_FILE,
@@ -44,6 +44,7 @@ from kiln.checkpoint.formats import (
 from kiln.checkpoint.hashing import Records, WriteLog
 from kiln.checkpoint.serialization import check_dcp_bytes, read_dcp_metadata
 from kiln.checkpoint.state import run_config
+from kiln.checkpoint.storage import LOCAL as LOCAL_STORAGE
 from kiln.checkpoint.storage import as_path, storage_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
@@ -71,7 +72,7 @@ class SaveJob:
         self.tmp = self.storage.staging(self.folder, self.name, nonce)
         self.final = self.folder / self.name
         self.manifest = _manifest(self.name, state, save_type, self.world, metrics)
-        self.log = WriteLog()  # this rank's files: sha256 and size, taken while writing
+        self.log = WriteLog()  # this rank's files: checksum and size, taken while writing
 
     def write(self, state: Any, asynchronous: bool = False, group: Any = None) -> Any:
         """Create the temporary folder and write this rank's files; a DCP future when asynchronous."""
@@ -118,7 +119,7 @@ class SaveJob:
     def commit(self, files: Records | None = None, update_last: bool = True) -> Any:
         """Rank 0 only: manifest (written last), the commit (a rename on the local disk), then ``last``."""
         if files is None:  # every file's checksum, read back (when no records were taken)
-            files = layout.hash_files(self.tmp, layout.list_files(self.tmp))
+            files = verification.hash_files(self.tmp, layout.list_files(self.tmp))
         layout.write_manifest(self.tmp, {**self.manifest, "files": files})
         layout.commit(self.tmp, self.final)
         if update_last:
@@ -208,7 +209,7 @@ def load_checkpoint(
             the training loader's position, callbacks, algorithms).
         folder: where ``"last"``/``"best"`` live.
         strict: every model tensor must be in the checkpoint and vice versa (shapes must always match).
-        verify: check every file's sha256 (each rank checks a share); False checks only sizes.
+        verify: check every file's checksum (each rank checks a share); False checks only sizes.
         restore_rng: restore this rank's RNG states (only possible on the world size it was saved with).
         storage_options: for a URL, the fsspec filesystem's options (credentials, ``endpoint_url``, ...).
 
@@ -227,7 +228,7 @@ def load_checkpoint(
     if isinstance(found, CheckpointError):
         raise found
     resolved = found
-    merged = None
+    merged, pending = None, None
     try:
         if resolved.is_file():  # every rank reads a merged file whole, as it reads a merged checkpoint.pt
             manifest, merged = read_merged_file(resolved)
@@ -237,35 +238,60 @@ def load_checkpoint(
                 raise CheckpointError(
                     resolved / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}"
                 )
-            # Each rank checks a share, before anything is loaded: nothing changes in the state
-            # unless every file matches (the share's files are hashed in parallel threads).
-            layout.verify_files(resolved, manifest, sorted(manifest["files"])[rank::world], checksums=verify)
+            pending = _start_verification(resolved, manifest, sorted(manifest["files"])[rank::world], verify)
     except CheckpointError as exc:
         error = exc
-    collectives.raise_together(error)
-    assert manifest is not None  # read above, or raise_together raised on every rank
     try:
-        read_checkpoint_files(resolved, manifest, state, strict=strict, restore_rng=restore_rng, merged=merged)
-    except CheckpointError as exc:
-        error = exc
-    except Exception as exc:  # torch's own errors, from deep inside: say which checkpoint and what
-        error = CheckpointError(
-            resolved,
-            f"could not be loaded into this run ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})",
-        )
-    collectives.raise_together(error)
+        collectives.raise_together(error)
+        assert manifest is not None  # read above, or raise_together raised on every rank
+        try:
+            read_checkpoint_files(
+                resolved, manifest, state, strict=strict, restore_rng=restore_rng, merged=merged, checksums=pending
+            )
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # torch's own errors, from deep inside: say which checkpoint and what
+            error = CheckpointError(
+                resolved,
+                f"could not be loaded into this run ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''})",
+            )
+        collectives.raise_together(error)
+    finally:
+        if pending is not None:
+            pending.error()  # its threads are gone however the load ended
     return manifest
+
+
+def _start_verification(path: Any, manifest: dict[str, Any], share: list[str], checksums: bool) -> Any:
+    """Check this rank's share of the files; nothing changes in the state unless every file matches.
+
+    Sizes are checked now, and the checksums of the small files. The large ones (DCP's ``.distcp``
+    files) are hashed in background threads while DCP plans the load; its reader reads nothing
+    until they matched on every rank (the returned PendingChecksums, None when there are none).
+    """
+    verification.verify_files(path, manifest, share, checksums=False)
+    if not checksums:
+        return None
+    large = [name for name in share if name.endswith(".distcp")]
+    verification.PendingChecksums(path, manifest, [name for name in share if name not in large]).finish()
+    if not large:
+        return None
+    # On an object store the checksum pass keeps what it downloaded, for the load to read.
+    keep = storage_of(path) is not LOCAL_STORAGE and (
+        sum(int(manifest["files"][name]["bytes"]) for name in large) <= verification.memory_to_spare()
+    )
+    return verification.PendingChecksums(path, manifest, large, keep=keep)
 
 
 def verify_checkpoint(
     path: Any, *, checksums: bool = True, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Check a checkpoint folder: complete, known format version, every file's size and sha256, and
+    """Check a checkpoint folder: complete, known format version, every file's size and checksum, and
     that every pickled part (``.metadata``, each non-tensor entry of the ``.distcp`` files, the
     ``.pt`` files) loads without running code. Returns the manifest; raises CheckpointError.
 
-    ``checksums=False`` skips the sha256 of each file (sizes are still checked): the quick check
+    ``checksums=False`` skips the checksum of each file (sizes are still checked): the quick check
     ``kiln checkpoint inspect`` makes. A ``.pt``/``.pth`` file from ``kiln checkpoint merge`` has no
     checksums; its pickle and structure are checked and its manifest returned.
 
@@ -281,7 +307,7 @@ def verify_checkpoint(
     manifest = layout.read_manifest(path)
     if manifest.get("save_type") not in SAVE_TYPES:
         raise CheckpointError(path / layout.MANIFEST, f"has an unknown save_type {manifest.get('save_type')!r}")
-    layout.verify_files(path, manifest, checksums=checksums)
+    verification.verify_files(path, manifest, checksums=checksums)
     if manifest["save_type"] == "merged":
         read_merged(path / MERGED_FILE)
     else:

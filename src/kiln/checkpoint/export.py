@@ -23,6 +23,7 @@ import torch
 from kiln.checkpoint import layout
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.offline import load_full, safetensors_weights
+from kiln.checkpoint.storage import RemotePath, as_path
 from kiln.precision import DTYPES
 
 __all__ = ["export_hf", "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -40,20 +41,23 @@ def export_hf(
     config: Mapping[str, Any] | str | os.PathLike | Any | None = None,
     dtype: str | torch.dtype | None = None,
     tokenizer: Any = None,
-) -> Path:
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Write the model of checkpoint ``path`` as a Hugging Face folder ``out`` (which must not exist).
 
-    The folder is written under a temporary name and renamed when complete: a failure leaves
-    nothing behind.
+    On the local disk the folder is written under a temporary name and renamed when complete; on
+    an object store (``out`` an fsspec URL) its files are uploaded with ``config.json`` last, which
+    is what ``from_pretrained`` looks for first. Either way a failure leaves nothing behind.
 
     Args:
         path: a checkpoint folder or merged ``.pt`` file of any save type and world size.
-        out: the folder to create.
+        out: the folder to create: a local path or an fsspec URL (``s3://bucket/models/a``).
         config: the model's config when the checkpoint holds none (a dict, a ``config.json`` file
             or the folder holding it, or a transformers config object); overrides the checkpoint's.
         dtype: cast floating-point weights (``"bf16"``, ``"fp16"``, ``"fp32"``, ``"float64"``...);
             None keeps the checkpoint's.
         tokenizer: a tokenizer to save beside the model (its ``save_pretrained(out)``).
+        storage_options: for URLs (``path`` and ``out``), the fsspec filesystem's options.
 
     Raises:
         CheckpointError: the checkpoint is unreadable or holds no config (and none was given),
@@ -64,11 +68,11 @@ def export_hf(
         kiln.checkpoint.export_hf("runs/a/last", "exported")
         model = transformers.AutoModelForCausalLM.from_pretrained("exported")
     """
-    out = Path(out)
-    if out.exists() or out.is_symlink():
-        raise CheckpointError(out, "already exists", "choose a new folder for the export, or remove it first")
+    target = as_path(out, storage_options)
+    if target.exists() or target.is_symlink():
+        raise CheckpointError(target, "already exists", "choose a new folder for the export, or remove it first")
     cast = _dtype(dtype)
-    _, tensors, _ = load_full(path, model_only=True)
+    _, tensors, _ = load_full(as_path(path, storage_options), model_only=True)
     state = tensors["model"] or {}
     saved_prefix, saved = _saved_config(state)
     if config is not None:
@@ -92,8 +96,8 @@ def export_hf(
     floating = [v.dtype for v in weights.values() if v.is_floating_point()]
     if floating:  # what from_pretrained(dtype="auto") builds the model in
         config_dict["dtype"] = str(floating[0]).replace("torch.", "")
-    _write(out, config_dict, weights, tokenizer)
-    return out
+    _write(target, config_dict, weights, tokenizer)
+    return target
 
 
 def _saved_config(state: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
@@ -150,7 +154,10 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return value
 
 
-def _write(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
+def _write(out: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
+    if isinstance(out, RemotePath):
+        _upload(out, config, weights, tokenizer)
+        return
     from safetensors.torch import save_file
 
     tmp = out.with_name(layout.temporary_name(out.name))
@@ -159,7 +166,7 @@ def _write(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], 
         tmp.mkdir()
         # transformers refuses a safetensors file without format "pt" in its metadata
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        layout.write_durably(tmp / CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        layout.write_durably(tmp / CONFIG_FILE, _config_bytes(config))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         os.rename(tmp, out)
@@ -171,3 +178,38 @@ def _write(out: Path, config: dict[str, Any], weights: dict[str, torch.Tensor], 
                 out, f"could not be written ({type(exc).__name__}: {exc})", "check free space and permissions there"
             ) from None
         raise
+
+
+def _upload(out: RemotePath, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
+    """The folder on an object store: no rename there, so each file is one PUT (whole or absent)
+    and ``config.json``, without which no loader treats the folder as a model, goes last."""
+    import tempfile
+
+    from safetensors.torch import save
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if tokenizer is not None:  # save_pretrained writes local files: upload them
+            with tempfile.TemporaryDirectory() as local:
+                tokenizer.save_pretrained(local)
+                for file in sorted(Path(local).rglob("*")):
+                    if file.is_file() and file.name != CONFIG_FILE:
+                        (out / file.relative_to(local).as_posix()).write_bytes(file.read_bytes())
+        (out / WEIGHTS_FILE).write_bytes(save(weights, metadata={"format": "pt"}))
+        (out / CONFIG_FILE).write_bytes(_config_bytes(config))
+    except BaseException as exc:  # nothing half uploaded stays behind, whatever stopped it
+        try:
+            out.rmtree()
+        except Exception:  # the store is gone too: the error below says what happened first
+            pass
+        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
+            raise CheckpointError(
+                out,
+                f"could not be written ({type(exc).__name__}: {exc})",
+                "check the URL, the credentials and write access to the bucket",
+            ) from None
+        raise
+
+
+def _config_bytes(config: dict[str, Any]) -> bytes:
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()

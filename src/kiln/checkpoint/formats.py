@@ -29,7 +29,7 @@ import torch
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.hashing import HashingStream, WriteLog, record_writes
+from kiln.checkpoint.hashing import HashingStream, WriteLog, checksum_bytes, record, record_writes
 from kiln.checkpoint.layout import check_manifest
 from kiln.checkpoint.serialization import (
     SafeLoadPlanner,
@@ -44,7 +44,7 @@ from kiln.checkpoint.state import (
     restore_training_state,
     serialize_training_state,
 )
-from kiln.checkpoint.storage import as_path, sha256_bytes, storage_of
+from kiln.checkpoint.storage import as_path, storage_of
 
 __all__ = [
     "SAVE_TYPES",
@@ -100,7 +100,7 @@ def write_checkpoint_files(
 ) -> tuple[Any, WriteLog]:
     """Write this rank's part of a checkpoint into ``folder`` (every rank calls this).
 
-    Returns ``(future, log)``: the log holds the sha256 and size of each file this rank wrote,
+    Returns ``(future, log)``: the log holds the checksum and size of each file this rank wrote,
     taken while writing, and any failure (see :class:`kiln.checkpoint.hashing.WriteLog`).
     ``asynchronous`` (DCP types only): the tensors are copied to CPU memory now and written in
     the background, coordinating over ``group``; the DCP future is returned, and the log is
@@ -118,7 +118,7 @@ def write_checkpoint_files(
         return None, log
     name = training_state_file(rank)
     storage_of(folder).write_durably(folder / name, training_state)
-    log.add(name, {"sha256": sha256_bytes(training_state), "bytes": len(training_state)})
+    log.add(name, record(checksum_bytes(training_state), len(training_state)))
     tensors = model_optimizer_state(state)
     writer, planner = dcp_writer_and_planner(folder, save_type)
     record_writes(writer, log)
@@ -217,9 +217,11 @@ def read_checkpoint_files(
     strict: bool = True,
     restore_rng: bool = True,
     merged: dict[str, Any] | None = None,
+    checksums: Any = None,
 ) -> None:
     """Load the checkpoint ``path`` (a folder, or a merged file whose dictionary is ``merged``) into
-    ``state`` (every rank calls this)."""
+    ``state`` (every rank calls this). ``checksums``: the PendingChecksums of the ``.distcp`` files
+    (see :func:`kiln.checkpoint.checkpointing.load_checkpoint`), awaited before the state changes."""
     rank, world = collectives.rank_and_world()
     saved_world = int(manifest.get("world_size", 1))
     if manifest["save_type"] == "merged":
@@ -238,7 +240,7 @@ def read_checkpoint_files(
         shapes = {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
         has_optimizer = any(k.startswith("optimizer.") for k in metadata.state_dict_metadata)
         target = _check_shapes(path / ".metadata", shapes, state, strict, has_optimizer)
-        _dcp_load(path, target, strict, world)
+        _dcp_load(path, target, strict, world, checksums)
         load_model_optimizer_state(state, target, strict=strict)
         own = path / training_state_file(rank)
         file = own if own.exists() else path / training_state_file(0)
@@ -308,14 +310,16 @@ def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
                 values[key] = value
 
 
-def _dcp_load(path: Any, target: dict[str, Any], strict: bool, world: int) -> None:
+def _dcp_load(path: Any, target: dict[str, Any], strict: bool, world: int, checksums: Any = None) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
+    reader = dcp_reader(path)
+    reader.checksums = checksums
     try:
         load(
             target,
-            storage_reader=dcp_reader(path),
+            storage_reader=reader,
             planner=SafeLoadPlanner(allow_partial_load=not strict),
             no_dist=world == 1,
         )

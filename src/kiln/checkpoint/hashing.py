@@ -1,10 +1,19 @@
-"""Checksums taken while the files are written, so that a save never reads its files back.
+"""File checksums: which algorithm, and taking them while the files are written.
 
-Every byte a save writes passes through a :class:`HashingStream`, which feeds it to sha256 on its
-way to the file. ``hashlib`` releases the GIL on large buffers, and DCP writes a rank's files from
-several threads, so hashing runs alongside the writes instead of after them (reading a checkpoint
-back to hash it cost as much as writing it). The records (``{name: {"sha256", "bytes"}}``) go
-into the manifest exactly as :func:`kiln.checkpoint.layout.hash_files` would compute them.
+The manifest records each file as ``{"xxh3_128": hex, "bytes": size}``. XXH3 (128 bits) is a
+non-cryptographic checksum: it catches damage (a flipped bit, a truncated copy, a file from
+another save) with a chance of missing it of 2**-128, and runs at memory speed (~30 GB/s here),
+where sha256 manages 2 GB/s per core even with the CPU's SHA instructions. That difference is what
+lets a verified load keep up with ``torch.load``: hashing 1.2 GB costs 0.04 s instead of 0.6 s. A
+cryptographic hash would buy nothing more, since the manifest that holds the checksums is not
+signed (whoever can change a file can change the manifest). Manifests written by earlier kiln
+versions record ``sha256``; they are still verified with it.
+
+Every byte a save writes passes through a :class:`HashingStream`, which feeds it to the checksum
+on its way to the file. The hash releases the GIL, and DCP writes a rank's files from several
+threads, so hashing runs alongside the writes instead of after them (reading a checkpoint back to
+hash it cost as much as writing it). The records go into the manifest exactly as
+:func:`kiln.checkpoint.verification.hash_files` would compute them.
 """
 
 from __future__ import annotations
@@ -12,13 +21,56 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["HashingStream", "HashingFileSystem", "WriteLog", "record_writes", "Records"]
+import xxhash
+
+__all__ = [
+    "CHECKSUM",
+    "ALGORITHMS",
+    "new_digest",
+    "checksum_bytes",
+    "record",
+    "recorded_checksum",
+    "HashingStream",
+    "HashingFileSystem",
+    "WriteLog",
+    "record_writes",
+    "Records",
+]
 
 Records = dict[str, dict[str, Any]]
+
+CHECKSUM = "xxh3_128"  # what new manifests record
+# Every algorithm a manifest may name (the key of a file's record), newest first.
+ALGORITHMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def new_digest(algorithm: str = CHECKSUM) -> Any:
+    """A fresh hash object (``update``, ``hexdigest``) of ``algorithm``."""
+    return ALGORITHMS[algorithm]()
+
+
+def checksum_bytes(data: bytes | memoryview, algorithm: str = CHECKSUM) -> str:
+    digest = new_digest(algorithm)
+    digest.update(data)
+    return str(digest.hexdigest())
+
+
+def record(digest: str, size: int, algorithm: str = CHECKSUM) -> dict[str, Any]:
+    """A file's entry in the manifest's ``files`` table."""
+    return {algorithm: digest, "bytes": size}
+
+
+def recorded_checksum(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(algorithm, hex digest)`` of a manifest entry, or None when it records no algorithm kiln knows."""
+    for algorithm in ALGORITHMS:
+        value = entry.get(algorithm)
+        if isinstance(value, str):
+            return algorithm, value
+    return None
 
 
 class WriteLog:
@@ -66,7 +118,7 @@ class HashingStream:
     def __init__(self, raw: Any, name: str = "") -> None:
         self.raw = raw
         self.name = name
-        self.digest = hashlib.sha256()
+        self.digest = new_digest()
         self.bytes = 0
 
     def write(self, data: Any) -> int:
@@ -80,7 +132,7 @@ class HashingStream:
         return view.nbytes if written is None else written
 
     def record(self) -> dict[str, Any]:
-        return {"sha256": self.digest.hexdigest(), "bytes": self.bytes}
+        return record(self.digest.hexdigest(), self.bytes)
 
     # what DCP and torch.save ask of a stream
     def tell(self) -> int:
@@ -109,7 +161,7 @@ class HashingStream:
 class HashingFileSystem:
     """DCP's filesystem object (``FileSystemWriter.fs``) with every written file hashed on the way.
 
-    The log maps each file's name (DCP writes a flat folder) to its sha256 and size; a rename
+    The log maps each file's name (DCP writes a flat folder) to its checksum and size; a rename
     (DCP writes ``.metadata.tmp``, then renames it) carries the record over. Failures are logged too.
     """
 

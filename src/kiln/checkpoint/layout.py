@@ -1,12 +1,12 @@
-"""The checkpoint folder on disk: names, atomic commit, manifest, links, retention, verification.
+"""The checkpoint folder on disk: names, atomic commit, manifest, links, retention.
 
 ::
 
     save_folder/
       ep3-ba120/                 one checkpoint; written as ep3-ba120.tmp-<nonce>, renamed when complete
         manifest.json            written last: format version, timestamp, world size, save type,
-                                 metrics, the sha256 and size of every other file, and the sha256
-                                 of its own content (manifest_sha256)
+                                 metrics, the checksum (xxh3_128) and size of every other file, and
+                                 the sha256 of its own content (manifest_sha256)
         ...                      the files of the save type (see kiln.checkpoint.formats)
       last -> ep3-ba120          relative symlinks (a copy where links are impossible; a small
       best -> ep2-ba80           pointer object on object stores)
@@ -28,7 +28,6 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from kiln.checkpoint.errors import CheckpointError
@@ -54,11 +53,9 @@ __all__ = [
     "TMP",
     "is_temporary",
     "temporary_name",
-    "sha256_file",
     "write_durably",
     "fsync_dir",
     "list_files",
-    "hash_files",
     "write_manifest",
     "read_manifest",
     "check_manifest",
@@ -70,8 +67,6 @@ __all__ = [
     "apply_retention",
     "remove_checkpoint",
     "cleanup_temporary",
-    "verify_files",
-    "start_checksums",
     "resolve_checkpoint",
 ]
 
@@ -79,7 +74,6 @@ FORMAT_NAME = "kiln-checkpoint"
 FORMAT_VERSION = 1  # bump when a reader of the old version could not load the new layout
 MANIFEST_CHECKSUM = "manifest_sha256"
 LINKS = ("last", "best")
-_CHUNK = 16 << 20  # hashlib releases the GIL on large buffers, so big chunks also let training run
 
 
 def checkpoint_name(epoch: int, batch: int) -> str:
@@ -88,28 +82,6 @@ def checkpoint_name(epoch: int, batch: int) -> str:
 
 
 # -- durable files ------------------------------------------------------------------------------
-def sha256_file(path: Any) -> str:
-    path = as_path(path)
-    digest = hashlib.sha256()
-    if isinstance(path, RemotePath):
-        # Ranged reads, no file object: one may be shared between threads (memory:// hands every
-        # reader the same one), and a load reads the same file meanwhile.
-        size, start = path.stat().st_size, 0
-        while start < size:
-            chunk = path.fs.cat_file(path.path, start=start, end=min(size, start + 4 * _CHUNK))
-            if not chunk:
-                break
-            digest.update(chunk)
-            start += len(chunk)
-        return digest.hexdigest()
-    with open(path, "rb", buffering=0) as f:
-        buffer = bytearray(_CHUNK)
-        view = memoryview(buffer)
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
 def write_durably(path: Any, data: bytes) -> None:
     """Write ``data`` so that it survives a crash (write + fsync, or one PUT on object stores): a
     commit that makes the folder visible must never expose unflushed bytes."""
@@ -122,17 +94,6 @@ def list_files(root: Any) -> list[str]:
     root = as_path(root)
     names = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
     return sorted(n for n in names if n != MANIFEST)
-
-
-def hash_files(root: Any, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """sha256 and size of each file; files are hashed in parallel threads (hashlib releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    root, names = as_path(root), list(names)
-    workers = max(1, min(len(names), os.cpu_count() or 1, 8))
-    with ThreadPoolExecutor(workers) as pool:
-        digests = list(pool.map(lambda n: sha256_file(root / n), names))
-    return {n: {"sha256": d, "bytes": (root / n).stat().st_size} for n, d in zip(names, digests)}
 
 
 # -- manifest -----------------------------------------------------------------------------------
@@ -222,68 +183,6 @@ def check_manifest(source: str | os.PathLike, manifest: Any) -> None:
 
 def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else None
-
-
-def verify_files(
-    path: Any, manifest: dict[str, Any], names: Iterable[str] | None = None, checksums: bool = True
-) -> None:
-    """Check that each listed file exists with its recorded size (and sha256); raise naming the first bad one.
-
-    Sizes are checked first, for every file; the checksums of several files are then computed in
-    parallel threads (hashlib releases the GIL), a large file's in one thread.
-    """
-    path = as_path(path)
-    files = manifest["files"]
-    names = sorted(files) if names is None else list(names)
-    for name in names:
-        record = files[name]
-        file = path / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
-            raise CheckpointError(path / MANIFEST, f"lists a file outside the checkpoint: {name!r}")
-        if not file.is_file():
-            raise CheckpointError(
-                file, "is missing", "the checkpoint was copied incompletely; copy it again or load another"
-            )
-        size = file.stat().st_size
-        if size != record.get("bytes"):
-            raise CheckpointError(
-                file,
-                f"is truncated or altered: {size} bytes, the manifest says {record.get('bytes')}",
-                "the copy or download was cut short; copy it again or load another checkpoint",
-            )
-    if checksums:
-        start_checksums(path, manifest, names)()
-
-
-def start_checksums(path: Any, manifest: dict[str, Any], names: Iterable[str]) -> Any:
-    """Start computing the sha256 of the files ``names`` of checkpoint ``path`` in background
-    threads (hashlib releases the GIL), so that reading the checkpoint can go on meanwhile.
-
-    Returns ``finish()``: it waits, then raises a CheckpointError naming the first file whose sha256
-    does not match the manifest (or that could not be read).
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    path, names = as_path(path), list(names)
-    pool = ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 8)), thread_name_prefix="kiln-sha256")
-    futures = [pool.submit(sha256_file, path / name) for name in names]
-    pool.shutdown(wait=False)
-
-    def finish() -> None:
-        pool.shutdown(wait=True)  # every thread gone when the load returns (a fork right after copies none)
-        for name, future in zip(names, futures):
-            try:
-                digest = future.result()
-            except OSError as exc:
-                raise CheckpointError(path / name, f"could not be read ({exc})", "load another checkpoint") from None
-            if digest != manifest["files"][name].get("sha256"):
-                raise CheckpointError(
-                    path / name,
-                    "is corrupt: its sha256 does not match the manifest",
-                    "the file was damaged on disk or in transfer; copy it again or load another checkpoint",
-                )
-
-    return finish
 
 
 # -- commit and links ---------------------------------------------------------------------------

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.checkpoint import layout
+from kiln.checkpoint import layout, verification
 from kiln.checkpoint.checkpointing import verify_checkpoint
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.formats import (
@@ -83,7 +84,7 @@ def inspect_checkpoint(path: Any) -> dict[str, Any]:
         info["num_parameters"], info["timestamp"]["batch"]
     """
     path = _checkpoint(path)
-    # Sizes and safe pickles, not the sha256 of every file: a quick look still refuses a file
+    # Sizes and safe pickles, not the checksum of every file: a quick look still refuses a file
     # that is cut short or carries code (`kiln checkpoint verify` adds the checksums).
     manifest = verify_checkpoint(path, checksums=False)
     shapes: dict[str, tuple[list[int], str]] = {}
@@ -190,7 +191,7 @@ def merge_checkpoint(src: Any, dst: Any) -> Any:
             return dst
         tmp.mkdir()
         _save_durably(tmp / MERGED_FILE, content)
-        layout.write_manifest(tmp, {**merged, "files": layout.hash_files(tmp, layout.list_files(tmp))})
+        layout.write_manifest(tmp, {**merged, "files": verification.hash_files(tmp, layout.list_files(tmp))})
         return layout.commit(tmp, dst)
     except BaseException as exc:  # nothing half written stays behind, whatever stopped it
         if tmp.is_dir():
@@ -258,39 +259,54 @@ def safetensors_weights(state: Any, prefix: str, dtype: torch.dtype | None) -> d
     return weights
 
 
-def export_safetensors(path: Any, out: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Path:
+def export_safetensors(
+    path: Any,
+    out: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any:
     """Write the model weights of a checkpoint to a ``.safetensors`` file (for inference and model hubs).
 
     Args:
         path: a checkpoint folder of any save type (a local path or a URL).
-        out: the output file (or a folder, which gets ``model.safetensors``).
+        out: the output file (or a folder, which gets ``model.safetensors``): a local path, written
+            under a temporary name and renamed, or an fsspec URL, written by one PUT; either way
+            the file appears whole or not at all.
         dtype: cast floating-point weights (``"bf16"``, ``"fp16"``, ``"fp32"``).
+        storage_options: for URLs, the fsspec filesystem's options.
 
     Example::
 
         kiln.checkpoint.export_safetensors("runs/a/best", "model.safetensors", dtype="bf16")
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    manifest, tensors, _ = load_full(path, model_only=True)
-    out = Path(out)
-    if out.is_dir():
-        out = out / "model.safetensors"
+    manifest, tensors, _ = load_full(as_path(path, storage_options), model_only=True)
+    target = as_path(out, storage_options)
+    if target.is_dir() or str(out).endswith("/"):
+        target = target / "model.safetensors"
     weights = safetensors_weights(tensors["model"], "", dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(layout.temporary_name(out.name))
-    save_file(
-        weights,
-        str(tmp),
-        metadata={
-            "format": "pt",
-            "kiln_checkpoint": manifest["name"],
-            "timestamp_batch": str((manifest.get("timestamp") or {}).get("batch", "")),
-        },
-    )
-    os.replace(tmp, out)
-    return out
+    metadata = {
+        "format": "pt",
+        "kiln_checkpoint": manifest["name"],
+        "timestamp_batch": str((manifest.get("timestamp") or {}).get("batch", "")),
+    }
+    if not isinstance(target, Path):  # an object store: one PUT, so no reader sees half a file
+        try:
+            target.write_bytes(save(weights, metadata=metadata))
+        except Exception as exc:
+            raise CheckpointError(
+                target,
+                f"could not be written ({type(exc).__name__}: {exc})",
+                "check the URL, the credentials and write access to the bucket",
+            ) from None
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(layout.temporary_name(target.name))
+    save_file(weights, str(tmp), metadata=metadata)
+    os.replace(tmp, target)
+    return target

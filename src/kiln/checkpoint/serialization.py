@@ -15,6 +15,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 
+from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.storage import as_path, storage_of
 
@@ -187,6 +190,8 @@ class _SafeReading:
     path: Any
     load_id: Any
     storage_data: Any
+    fs: Any
+    transforms: Any
     _folder: Any = None  # the checkpoint folder as a kiln path (a RemotePath on fsspec storage)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -203,8 +208,18 @@ class _SafeReading:
         self._reading = sinfo  # which entry of which file is being read, for the error message
         return super()._slice_file(file, sinfo)  # type: ignore[misc]  # the DCP reader's, mixed in below
 
+    # The checksums of (this rank's share of) the files, still being computed (a
+    # kiln.checkpoint.verification.PendingChecksums), set by a verified load. They run while DCP
+    # plans the load; nothing is read into the state until they matched on every rank.
+    checksums: Any = None
+
     def read_data(self, plan: Any, planner: Any) -> Any:
         self._reading = None
+        pending = self.checksums
+        if pending is not None:
+            collectives.raise_together(pending.error())
+            if pending.kept:  # an object store: read the bytes the checksum pass downloaded
+                self.fs = _KeptFiles(self.fs, pending.kept)
         try:
             return super().read_data(plan, planner)  # type: ignore[misc]  # the DCP reader's, mixed in below
         except Exception as exc:
@@ -237,6 +252,25 @@ class _SafeReading:
         )
 
 
+class _KeptFiles:
+    """DCP's filesystem object, reading the files in ``kept`` (name to bytes) from memory."""
+
+    def __init__(self, inner: Any, kept: dict[str, bytes]) -> None:
+        self.inner, self.kept = inner, kept
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        data = self.kept.get(os.path.basename(str(path).rstrip("/")))
+        if data is None or "r" not in mode:
+            with self.inner.create_stream(path, mode) as stream:
+                yield stream
+        else:
+            yield io.BytesIO(data)  # shares the bytes, no copy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class SafeFileSystemReader(_SafeReading, FileSystemReader):
     """DCP's file reader, made safe (see :class:`_SafeReading`)."""
 
@@ -251,7 +285,7 @@ class SafeFsspecReader(_SafeReading, FileSystemReader):
         super().__init__(str(folder))
         fs = FsspecFileSystem()
         fs.fs = folder.fs
-        self.fs = fs  # type: ignore[assignment]  # what FsspecReader itself sets, typed as its base's
+        self.fs = fs  # what FsspecReader itself sets
         self.path = str(folder)
         self._folder = folder
 

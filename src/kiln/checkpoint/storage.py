@@ -30,7 +30,6 @@ Credentials and endpoints come from the fsspec implementation's standard places 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
@@ -493,7 +492,3 @@ _FSSPEC = FsspecStorage()
 def storage_of(path: Any) -> Storage:
     """The storage ``path`` (a path from :func:`as_path`, or a str) lives on."""
     return _FSSPEC if isinstance(path, RemotePath) or is_url(path) else LOCAL
-
-
-def sha256_bytes(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()

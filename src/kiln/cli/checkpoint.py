@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("--max-tensors", type=int, default=40, help="model tensors to list (default 40)")
     inspect.set_defaults(func=_inspect)
 
-    verify = sub.add_parser("verify", help="check sizes and sha256 of every file; exit 0 or print the problem")
+    verify = sub.add_parser("verify", help="check sizes and checksums of every file; exit 0 or print the problem")
     verify.add_argument("path")
     verify.set_defaults(func=_verify)
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from kiln.config.overrides import ConfigError, close_match, format_error
 from kiln.config.types import check_fields
+from kiln.core.paths import is_url
 
 __all__ = [
     "CheckpointConfig",
@@ -233,6 +234,9 @@ class CheckpointConfig:
         every_n_epochs: save every n epochs (default when neither is set: 1).
         keep_last_n_checkpoints: keep only the newest n checkpoints (null: keep all).
         resume_from: 'last', 'best' (skipped when absent) or the path of a checkpoint (must exist).
+        storage_options: for a save_dir or resume_from that is an fsspec URL (``s3://bucket/run``),
+            the filesystem's options (``key``, ``secret``, ``endpoint_url``, ...); null: the
+            standard places (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
     """
 
     save_dir: str = "./checkpoints"
@@ -245,6 +249,7 @@ class CheckpointConfig:
     every_n_epochs: int | None = None
     keep_last_n_checkpoints: int | None = None
     resume_from: str | None = None
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -258,7 +263,8 @@ class CheckpointConfig:
             )
         if not self.save_dir and (not self.no_save or self.resume_from in ("last", "best")):
             raise ConfigError(format_error("save_dir", self.save_dir, "a folder path"), path="save_dir")
-        if self.resume_from is not None and self.resume_from not in ("last", "best"):
+        # A URL is checked when the checkpoint is loaded (the store may need the storage options).
+        if self.resume_from is not None and self.resume_from not in ("last", "best") and not is_url(self.resume_from):
             import os
 
             if not os.path.exists(self.resume_from):

@@ -16,6 +16,7 @@ checkpoint.save_dir / no_save                           save_folder
 checkpoint.every_n_train_steps / every_n_epochs         save_interval (validating first, as nnScaler does)
 checkpoint.keep_last_n_checkpoints / save_type          save_num_checkpoints_to_keep / save_type
 checkpoint.save_best / resume_from                      save_best="eval/loss" / load_path
+checkpoint.storage_options                              storage_options (save_dir may be an fsspec URL)
 compute_config (+ pas_policy)                           strategy;  precision: precision
 compile / activation_checkpointing                      compile / activation_checkpointing (a name: the function)
 lr_scheduler.interval                                   step_schedulers_every_batch
@@ -26,10 +27,8 @@ log / hook / enable_progress_bar / seed / instance_name  loggers / callbacks / p
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,10 +185,13 @@ def _single_process_group(world_size: int) -> None:
 
 
 def _load_path(args: TrainerArgs) -> str | None:
+    from kiln.checkpoint.storage import as_path
+
     ckpt = args.checkpoint
     if ckpt.resume_from not in ("last", "best"):
         return ckpt.resume_from
-    if not os.path.exists(Path(ckpt.save_dir) / ckpt.resume_from):
+    link = as_path(ckpt.save_dir, ckpt.storage_options) / ckpt.resume_from  # a link, or a pointer object on a store
+    if not link.exists():
         if context().rank == 0:
             warnings.warn(
                 f"checkpoint.resume_from: {ckpt.resume_from!r} does not exist in {ckpt.save_dir!r}; "
@@ -197,7 +199,7 @@ def _load_path(args: TrainerArgs) -> str | None:
                 stacklevel=2,
             )
         return None
-    return ckpt.resume_from if not ckpt.no_save else str(Path(ckpt.save_dir) / ckpt.resume_from)
+    return ckpt.resume_from if not ckpt.no_save else str(link)
 
 
 def _callbacks(
@@ -321,6 +323,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
         save_type=ckpt.save_type,
         save_best="eval/loss" if ckpt.save_best and val_dl is not None else None,
         load_path=_load_path(args),
+        storage_options=ckpt.storage_options,
         seed=args.seed,
         progress_bar=args.enable_progress_bar,
         step_schedulers_every_batch=args.lr_scheduler is not None and args.lr_scheduler.interval == "step",
