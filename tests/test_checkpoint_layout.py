@@ -157,3 +157,51 @@ def test_saving_the_same_step_again_replaces_it_whole(saved, tmp_path):
     assert again == path and json.loads((path / "manifest.json").read_text())["created_unix"] >= before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0-ba3", "last"]
     verify_checkpoint(path)
+
+
+def test_whole_tensors_are_read_in_place_and_the_rest_the_way_dcp_does():
+    """A whole, contiguous tensor of the target's dtype is read from the file straight into the
+    target; anything else is left for DCP's load-and-copy (nothing written into the target)."""
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    from kiln.checkpoint.serialization import _read_in_place
+
+    def archive(tensor):
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        buffer.seek(0)
+        return buffer
+
+    whole = SimpleNamespace(storage_offsets=[0, 0], lengths=[3, 4])
+    saved = torch.arange(12, dtype=torch.float32).view(3, 4)
+    target = torch.zeros(3, 4)
+    assert _read_in_place(archive(saved), whole, target) and torch.equal(target, saved)
+    base = torch.arange(20.0)  # a view is saved with its whole storage: the data starts 5 floats in
+    target = torch.zeros(3, 4)
+    assert _read_in_place(archive(base[5:17].view(3, 4)), whole, target)
+    assert torch.equal(target, base[5:17].view(3, 4))
+    part = SimpleNamespace(storage_offsets=[1, 0], lengths=[2, 4])
+    for req, other in [
+        (whole, torch.zeros(3, 4, dtype=torch.float64)),  # another dtype: DCP's copy_ converts
+        (part, torch.zeros(2, 4)),  # a part of the saved tensor (another world size)
+        (whole, torch.zeros(4, 3).t()),  # a non-contiguous target
+    ]:
+        assert not _read_in_place(archive(saved), req, other) and not other.any()
+    data = archive(saved).getvalue()
+    with pytest.raises(RuntimeError, match="failed finding central directory"):  # reported by the reader
+        _read_in_place(io.BytesIO(data[: len(data) - 300]), whole, torch.zeros(3, 4))
+
+
+def test_a_float32_checkpoint_loads_into_a_float64_model(saved):
+    """The fallback: DCP's own load and copy_, converting the dtype."""
+    import torch
+
+    path, state = saved
+    fresh = build_state(seed=1)
+    fresh.model.double()
+    load_checkpoint(path, fresh, restore_rng=False)
+    for (name, a), b in zip(state.model.named_parameters(), fresh.model.parameters()):
+        assert b.dtype == torch.float64 and torch.equal(a.double(), b), name

@@ -12,19 +12,24 @@ names the file (and, inside a ``.distcp`` file, the entry): DCP's reader only sa
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
@@ -216,14 +221,64 @@ class _SafeReading:
     def read_data(self, plan: Any, planner: Any) -> Any:
         self._reading = None
         pending = self.checksums
-        if pending is not None:
-            collectives.raise_together(pending.error())
-            if pending.kept:  # an object store: read the bytes the checksum pass downloaded
-                self.fs = _KeptFiles(self.fs, pending.kept)
+        if pending is None:
+            return self._read(plan, planner)
+        error = None
+        if not pending.keep:
+            # The small pickled values (optimizer hyperparameters, step counts: most of the entries,
+            # each a torch.load) go into the load's own dictionary, not the state, so they are read
+            # while the checksums are still running. The tensors, which DCP copies straight into
+            # the model and optimizer, wait.
+            values = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+            plan = dataclasses.replace(plan, items=[item for item in plan.items if item.type != LoadItemType.BYTE_IO])
+            try:
+                self._read(dataclasses.replace(plan, items=values), planner)
+            except CheckpointError as exc:
+                error = exc
+        # A checksum mismatch explains a damaged entry better than that entry's own failure.
+        collectives.raise_together(pending.error() or error)
+        if pending.kept:  # an object store: read the bytes the checksum pass downloaded
+            self.fs = _KeptFiles(self.fs, pending.kept)
+        return self._read(plan, planner)
+
+    def _read(self, plan: Any, planner: Any) -> Any:
         try:
-            return super().read_data(plan, planner)  # type: ignore[misc]  # the DCP reader's, mixed in below
+            self._read_items(plan, planner)
         except Exception as exc:
             raise self._failure(exc) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_items(self, plan: Any, planner: Any) -> None:
+        """DCP's ``FileSystemReader.read_data``, with one change: a whole tensor is read from the file
+        straight into its target's memory. DCP loads each entry into a new tensor and copies it
+        over, which made that copy the largest part of a load (0.11 s of 0.15 s for 1.2 GB)."""
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, reqs in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    info = self.storage_data[req.storage_index]
+                    source = self.transforms.transform_load_stream(
+                        req, info.transform_descriptors or (), self._slice_file(stream, info)
+                    )
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(source.read(-1)))
+                        continue
+                    if not source.seekable():
+                        source = io.BytesIO(source.read(-1))
+                    target = planner.resolve_tensor(req).detach()
+                    if info.transform_descriptors or not _read_in_place(source, req, target):
+                        tensor = torch.load(source, map_location="cpu", weights_only=True)
+                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                        if target.size() != tensor.size():
+                            raise AssertionError(
+                                f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+                            )
+                        target.copy_(tensor)
+                    planner.commit_tensor(req, target)
 
     def _failure(self, exc: Exception) -> CheckpointError:
         sinfo = getattr(self, "_reading", None)
@@ -250,6 +305,45 @@ class _SafeReading:
             f"is damaged: {entry} could not be read ({type(exc).__name__}: {_first_line(exc)})",
             "run `kiln checkpoint verify` on the folder; load an earlier checkpoint",
         )
+
+
+def _read_in_place(entry: Any, req: Any, target: torch.Tensor) -> bool:
+    """Read the tensor saved in ``entry`` (a seekable stream of one ``torch.save`` archive) straight
+    into ``target``, when it is the whole tensor, of the same dtype and contiguous on both
+    sides, and ``target`` is in CPU memory; False (nothing read) otherwise.
+
+    The archive is first loaded onto the meta device, which reads its pickle (weights-only) and
+    not its data, and tells where the data starts (``_checkpoint_offset``, as torch's own
+    ``dcp._experimental`` reader uses it).
+    """
+    if target.device.type != "cpu" or not target.is_contiguous() or sys.byteorder != "little":
+        return False
+    meta = torch.load(entry, map_location="meta", weights_only=True)
+    entry.seek(0)
+    offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+    if (
+        not isinstance(meta, torch.Tensor)
+        or offset is None
+        or meta.dtype != target.dtype
+        or meta.shape != target.shape
+        or not meta.is_contiguous()
+        or any(req.storage_offsets)
+        or list(req.lengths) != list(meta.shape)
+    ):
+        return False
+    nbytes = target.numel() * target.element_size()
+    if nbytes == 0:
+        return True
+    entry.seek(offset + meta.storage_offset() * meta.element_size())
+    data: Any = target.view(-1).view(torch.uint8).numpy()  # the target's own memory, as bytes
+    view = memoryview(data)
+    filled = 0
+    while filled < nbytes:
+        got = entry.readinto(view[filled:])
+        if not got:
+            raise EOFError(f"the entry ends {nbytes - filled} bytes short of its tensor")
+        filled += got
+    return True
 
 
 class _KeptFiles:
