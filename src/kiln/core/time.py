@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import operator
 import re
@@ -88,12 +89,20 @@ class Time:
     """
 
     __slots__ = ("_value", "_unit")
+    _value: int | float
+    _unit: TimeUnit
 
     def __init__(self, value: int | float, unit: TimeUnit | str) -> None:
-        try:
-            unit = TimeUnit(unit)
-        except ValueError:
-            raise ValueError(f"unknown time unit {unit!r}; valid units are {_UNIT_LIST}") from None
+        if type(unit) is not TimeUnit:  # calling the Enum class runs Python code, even for a member
+            try:
+                unit = TimeUnit(unit)
+            except ValueError:
+                raise ValueError(f"unknown time unit {unit!r}; valid units are {_UNIT_LIST}") from None
+        if type(value) is int and value >= 0 and unit in _INT_UNITS:
+            # A count, as every Timestamp property builds one: valid as it is, without the checks below.
+            self._value = value
+            self._unit = unit
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"Time value must be an int or float, got {type(value).__name__} {value!r}")
         if not math.isfinite(value) or value < 0:
@@ -114,6 +123,13 @@ class Time:
         wall-clock strings ``"1h30m"``, ``"90s"``, ``"2h"`` (parsed into ``sec``)."""
         if not isinstance(text, str):
             raise TypeError(f"from_timestring expects a str, got {type(text).__name__} {text!r}")
+        if cls is not Time:
+            return cls._parse(text)
+        # A Time never changes, so one parse serves every fit(duration="1ep") and interval check.
+        return _parse_timestring(text)
+
+    @classmethod
+    def _parse(cls, text: str) -> Time:
         s = text.strip().lower()
         if s.startswith("-"):
             raise _bad_string(text, "negative times are not allowed")
@@ -271,6 +287,11 @@ class Time:
         return self._scaled(self._value / other)
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_timestring(text: str) -> Time:
+    return Time._parse(text)
+
+
 def ensure_time(value: Time | str | int | float, default_unit: TimeUnit | str) -> Time:
     """Turn a :class:`Time`, a time string or a number in ``default_unit`` into a :class:`Time`."""
     return Time.from_input(value, default_unit)
@@ -346,18 +367,30 @@ class Timestamp:
         (Time(1, TimeUnit.BATCH), 32, True)
     """
 
-    __slots__ = tuple("_" + name for name in _FIELDS)
-    # The slots, declared for the type checker (it cannot read a computed __slots__).
+    # The run's counters, and where they stood when this epoch began: a batch bumps five slots
+    # (four without tokens), and the in-epoch counters are the differences, read far less often.
+    __slots__ = (
+        "_epoch",
+        "_batch",
+        "_sample",
+        "_token",
+        "_total_wct",
+        "_batch_wct",
+        "_epoch_batch",
+        "_epoch_sample",
+        "_epoch_token",
+        "_epoch_start_wct",
+    )
     _epoch: int
     _batch: int
     _sample: int
     _token: int
-    _batch_in_epoch: int
-    _sample_in_epoch: int
-    _token_in_epoch: int
     _total_wct: float
-    _epoch_wct: float
     _batch_wct: float
+    _epoch_batch: int
+    _epoch_sample: int
+    _epoch_token: int
+    _epoch_start_wct: float
 
     def __init__(
         self,
@@ -375,6 +408,23 @@ class Timestamp:
         values = locals()
         self.load_state_dict({name: values[name] for name in _FIELDS})
 
+    # -- the in-epoch values, as plain numbers ---------------------------------------------------
+    @property
+    def _batch_in_epoch(self) -> int:
+        return self._batch - self._epoch_batch
+
+    @property
+    def _sample_in_epoch(self) -> int:
+        return self._sample - self._epoch_sample
+
+    @property
+    def _token_in_epoch(self) -> int:
+        return self._token - self._epoch_token
+
+    @property
+    def _epoch_wct(self) -> float:
+        return self._total_wct - self._epoch_start_wct
+
     # -- counters as Time (built on access; the ints inside stay cheap to bump) ----------------
     epoch = _counter("_epoch", TimeUnit.EPOCH, "Epochs completed.")
     batch = _counter("_batch", TimeUnit.BATCH, "Batches (optimizer steps) completed in the run.")
@@ -389,13 +439,15 @@ class Timestamp:
 
     def get(self, unit: TimeUnit | str) -> Time:
         """The elapsed time in ``unit`` (``ep``, ``ba``, ``sp``, ``tok`` or ``sec`` = ``total_wct``)."""
-        unit = TimeUnit(unit)
-        if unit == TimeUnit.DURATION:
+        if type(unit) is not TimeUnit:
+            unit = TimeUnit(unit)
+        field = _UNIT_FIELD.get(unit)
+        if field is None:  # the one unit without a field
             raise ValueError(
                 "a Timestamp cannot give 'dur' on its own; resolve the Time against max_duration "
                 "with resolve_fraction(time, max_duration) first"
             )
-        return Time(getattr(self, _UNIT_FIELD[unit]), unit)
+        return Time(getattr(self, field), unit)
 
     # -- the hot path ---------------------------------------------------------------------------
     def advance_batch(
@@ -409,13 +461,9 @@ class Timestamp:
         if type(samples) is not int or type(tokens) is not int or type(duration) is not float:
             samples, tokens, duration = _count(samples, "samples"), _count(tokens, "tokens"), _seconds(duration)
         self._batch += 1
-        self._batch_in_epoch += 1
         self._sample += samples
-        self._sample_in_epoch += samples
         self._token += tokens
-        self._token_in_epoch += tokens
         self._total_wct += duration
-        self._epoch_wct += duration
         self._batch_wct = duration
 
     def advance_epoch(self, duration: float | datetime.timedelta | None = None) -> None:
@@ -425,11 +473,9 @@ class Timestamp:
         added to ``total_wct``.
         """
         self._epoch += 1
-        self._batch_in_epoch = 0
-        self._sample_in_epoch = 0
-        self._token_in_epoch = 0
         self._total_wct += _seconds(duration)
-        self._epoch_wct = 0.0
+        self._epoch_batch, self._epoch_sample, self._epoch_token = self._batch, self._sample, self._token
+        self._epoch_start_wct = self._total_wct
         self._batch_wct = 0.0
 
     def to_next_batch(
@@ -473,6 +519,7 @@ class Timestamp:
         unknown = set(state_dict) - set(_FIELDS)
         if unknown:
             raise ValueError(f"unknown Timestamp keys {sorted(unknown)}; expected {list(_FIELDS)}")
+        counts: dict[str, Any] = {}
         for name in _COUNTERS:
             value: Any = state_dict.get(name, 0)
             value = value.value if isinstance(value, Time) else value
@@ -482,9 +529,14 @@ class Timestamp:
                 count = -1
             if count < 0:
                 raise ValueError(f"Timestamp.{name} must be a non-negative int, got {value!r}")
-            setattr(self, "_" + name, count)
-        for name in _CLOCKS:
-            setattr(self, "_" + name, _seconds(state_dict.get(name, 0.0)))
+            counts[name] = count
+        clocks = {name: _seconds(state_dict.get(name, 0.0)) for name in _CLOCKS}
+        self._epoch, self._batch, self._sample, self._token = (counts[n] for n in ("epoch", "batch", "sample", "token"))
+        self._epoch_batch = self._batch - counts["batch_in_epoch"]
+        self._epoch_sample = self._sample - counts["sample_in_epoch"]
+        self._epoch_token = self._token - counts["token_in_epoch"]
+        self._total_wct, self._batch_wct = clocks["total_wct"], clocks["batch_wct"]
+        self._epoch_start_wct = self._total_wct - clocks["epoch_wct"]
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, '_' + name)!r}" for name in _FIELDS)

@@ -202,6 +202,8 @@ def split_schedulers(schedulers: Any, state: Any, every_batch: bool | None, ssr:
 def check_schedulers(schedulers: Sequence[Any], state: Any) -> None:
     """Evaluate each time-aware schedule once at fit start, so a schedule that cannot cover the run
     (e.g. a warmup scheduler whose ``t_max`` ends before ``max_duration``) fails before training."""
+    if not schedulers:
+        return  # fit() asks every call: no import to look up
     from kiln.optim.lr_scheduler import ComposerLRScheduler
 
     for scheduler in schedulers:

@@ -3,6 +3,7 @@ built once so an event nobody listens to costs one dict lookup."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,10 @@ _IN_BATCH = frozenset(
         Event.BEFORE_OPTIMIZER_STEP,
     }
 )
+
+
+# Iterating an Enum class runs Python code for each member; a tuple, once, does not.
+_EVENTS = tuple(Event)
 
 
 def _listens(callback: Callback, event: Event) -> bool:
@@ -74,6 +79,8 @@ class EventRunner:
         self._callbacks: dict[Event, list[Callback]] = {}
         # Counts rebuilds: the Trainer keeps its per-step choices (which events a step fires) until it moves.
         self.version = 0
+        # What the last rebuild read: a rebuild that would read the same changes nothing.
+        self._built_from: tuple[Any, ...] | None = None
         self.rebuild()
 
     def add(self, callback: Callback) -> None:
@@ -90,15 +97,22 @@ class EventRunner:
         """Recompute who listens to what from ``state.callbacks``, ``state.algorithms`` and the
         logger's destinations (``add``/``remove`` call this; ``fit()`` too, for lists edited directly)."""
         listeners = [*self.state.callbacks, *self.logger.destinations]
+        built_from = (*listeners, bool(self.state.algorithms), heartbeat.current())
+        previous = self._built_from
+        if previous is not None and len(previous) == len(built_from) and all(map(operator.is_, previous, built_from)):
+            # fit() asks at every call: the same listeners give the same lists, and the version
+            # stays, so the Trainer's step choices hold
+            return
+        self._built_from = built_from
         # Fresh lists, never edited afterwards: a run() iterating the old ones while a callback adds
         # or removes another goes on with the old ones, so the change starts at the next event.
-        self._callbacks = {e: [c for c in listeners if _listens(c, e)] for e in Event}
+        self._callbacks = {e: [c for c in listeners if _listens(c, e)] for e in _EVENTS}
         if heartbeat.current() is not None:
             # With several ranks every event runs, so the heartbeat knows this rank's last one: a few
             # hundred ns each, against the collectives of every distributed step (see heartbeat.py).
-            active = set(Event)
+            active = set(_EVENTS)
         else:
-            active = {e for e in Event if self._callbacks[e] or self.state.algorithms}
+            active = {e for e in _EVENTS if self._callbacks[e] or self.state.algorithms}
         self.active.clear()
         self.active.update(active)
         self.version += 1
