@@ -190,9 +190,60 @@ def test_whole_tensors_are_read_in_place_and_the_rest_the_way_dcp_does():
         (whole, torch.zeros(4, 3).t()),  # a non-contiguous target
     ]:
         assert not _read_in_place(archive(saved), req, other) and not other.any()
+    # saved non-contiguous (a transposed view of its whole storage): its bytes are not in the
+    # target's order, so DCP's copy_ lays them out
+    other = torch.zeros(3, 4)
+    assert not _read_in_place(archive(saved.view(4, 3).t()), whole, other) and not other.any()
+    # another dtype, read in place when the target has it
+    target = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert _read_in_place(archive(saved.bfloat16()), whole, target) and torch.equal(target, saved.bfloat16())
     data = archive(saved).getvalue()
     with pytest.raises(RuntimeError, match="failed finding central directory"):  # reported by the reader
         _read_in_place(io.BytesIO(data[: len(data) - 300]), whole, torch.zeros(3, 4))
+
+
+_CALLS: list = []
+
+
+def _record_call(*args):
+    _CALLS.append(args)
+
+
+def test_the_tensor_record_reader_calls_nothing_and_declines_what_is_not_one_tensor():
+    """_tensor_record reads an archive's pickle without building anything: a pickle that is not one
+    tensor (or names any other global) gives None, so the caller falls back to the weights-only
+    torch.load, which refuses what it must; a storage shorter than its tensor gives None too."""
+    import io
+
+    import torch
+
+    from kiln.checkpoint.serialization import _tensor_record
+
+    def archive(value):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        return buffer
+
+    dtype, size, stride, storage_offset, data_offset, data_bytes = _tensor_record(archive(torch.zeros(2, 5)))
+    assert (dtype, size, stride, storage_offset, data_bytes) == (torch.float32, (2, 5), (5, 1), 0, 40)
+    assert data_offset % 64 == 0  # torch.save aligns a storage's data
+    assert _tensor_record(archive({"a": torch.zeros(2)})) is None  # a dict, not one tensor
+    assert _tensor_record(archive([torch.zeros(2)])) is None
+
+    class Boom:
+        def __reduce__(self):
+            return (_record_call, ("ran",))
+
+    assert _tensor_record(archive(Boom())) is None
+    assert not _CALLS  # the global was refused, never called
+
+    # a pickle that claims more elements than its storage record holds
+    data = archive(torch.zeros(4)).getvalue()
+    # the pickle says numel 4 (BININT1 4) after 'cpu'; make it 40 (BININT1 '(')
+    edited = data.replace(b"X\x03\x00\x00\x00cpuq\x04K\x04", b"X\x03\x00\x00\x00cpuq\x04K(", 1)
+    assert edited != data
+    assert _tensor_record(io.BytesIO(edited)) is None
 
 
 def test_a_float32_checkpoint_loads_into_a_float64_model(saved):

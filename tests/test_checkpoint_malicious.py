@@ -140,3 +140,41 @@ def test_the_kiln_command_refuses_code_in_a_distcp_entry(tmp_path, command):
     assert result.returncode == 1, result.stderr[-3000:]
     assert len(err) == 1 and victim in err[0] and KEY in err[0] and "run code" in err[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not sentinel.exists()
+
+
+def test_a_memo_index_beyond_the_pickle_is_refused_before_the_unpickler_grows_its_table(tmp_path):
+    """One byte of ``.metadata`` turned from MEMOIZE into LONG_BINPUT makes the next four bytes a memo
+    index; the C unpickler grows its table to it at once, zeroed (a fuzz run of
+    test_checkpoint_fuzz.py took 21 GB and was killed). kiln walks the opcodes first: the load is one
+    CheckpointError naming .metadata, and memory stays where it was."""
+    import pickletools
+    import resource
+
+    path = _checkpoint(tmp_path / "run", "sharded")
+    data = (path / ".metadata").read_bytes()
+    memoize = [pos for op, _, pos in pickletools.genops(data) if op.name == "MEMOIZE"]
+    # the middle MEMOIZE becomes LONG_BINPUT of index 2**27 (the next four bytes overwritten): 2 GiB
+    # of memo table without the check, small enough that the test survives it being removed
+    at = memoize[len(memoize) // 2]
+    (path / ".metadata").write_bytes(data[:at] + b"r" + (1 << 27).to_bytes(4, "little") + data[at + 5 :])
+    rehash(path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for name in ("load_checkpoint", "verify_checkpoint", "inspect_checkpoint"):
+        with pytest.raises(CheckpointError, match=r"\.metadata: is damaged and cannot be read"):
+            _attempts(path, tmp_path)[name]()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
+def test_the_memo_check_passes_every_sound_pickle_and_stops_a_put_or_long_binput_past_the_end():
+    import pickle
+
+    from kiln.checkpoint.serialization import check_memo_indices
+
+    values = [{"a": [1, 2, 3] * 50, "b": "x\ny" * 300, "c": b"\n" * 70000, "d": 2**100, "e": 1.5, "f": (None, True)}]
+    values.append([[i, str(i)] for i in range(300)])
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        for value in values:
+            check_memo_indices(pickle.dumps(value, protocol=protocol))  # no error
+    for bad in (b"\x80\x02]r\xff\xff\xff\x7f.", b"(lp99999999\n."):
+        with pytest.raises(ValueError, match="memo index beyond"):
+            check_memo_indices(bad)

@@ -240,7 +240,7 @@ def read_checkpoint_files(
         shapes = {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items() if hasattr(md, "size")}
         has_optimizer = any(k.startswith("optimizer.") for k in metadata.state_dict_metadata)
         target = _check_shapes(path / ".metadata", shapes, state, strict, has_optimizer)
-        _dcp_load(path, target, strict, world, checksums)
+        _dcp_load(path, target, strict, world, checksums, metadata)
         load_model_optimizer_state(state, target, strict=strict)
         own = path / training_state_file(rank)
         file = own if own.exists() else path / training_state_file(0)
@@ -310,12 +310,15 @@ def _fill_from_full(target: dict[str, Any], full: Mapping[str, Any]) -> None:
                 values[key] = value
 
 
-def _dcp_load(path: Any, target: dict[str, Any], strict: bool, world: int, checksums: Any = None) -> None:
+def _dcp_load(
+    path: Any, target: dict[str, Any], strict: bool, world: int, checksums: Any = None, metadata: Any = None
+) -> None:
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = dcp_reader(path)
     reader.checksums = checksums
+    reader.known_metadata = metadata
     try:
         load(
             target,
