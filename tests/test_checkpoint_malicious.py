@@ -178,3 +178,36 @@ def test_the_memo_check_passes_every_sound_pickle_and_stops_a_put_or_long_binput
     for bad in (b"\x80\x02]r\xff\xff\xff\x7f.", b"(lp99999999\n."):
         with pytest.raises(ValueError, match="memo index beyond"):
             check_memo_indices(bad)
+
+
+def test_plain_byte_entries_are_read_without_torch_load_and_everything_else_is_left_to_it(tmp_path):
+    """DCP stores an optimizer's hyperparameters as one small torch.save archive per parameter and
+    name; kiln reads those with an unpickler that knows no global and no storage. It gives exactly
+    what torch.load(weights_only=True) gives, and declines (for torch.load to judge) anything else."""
+    import io
+
+    from kiln.checkpoint.serialization import _NOT_PLAIN, _plain_value
+
+    def archive(value):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        return buffer
+
+    for value in [0.001, (0.9, 0.999), True, None, 7, "name", [1, {"a": (2.5,)}], 2**80, -3.5e300]:
+        got = _plain_value(archive(value))
+        assert got == value and type(got) is type(value) and got == torch.load(archive(value), weights_only=True)
+    # torch.save pickles with protocol 2, where bytes and sets name a global (_codecs.encode,
+    # builtins.set): declined here, and torch.load reads them
+    assert _plain_value(archive(b"\x00\n")) is _NOT_PLAIN and _plain_value(archive({1, 2})) is _NOT_PLAIN
+    sentinel = tmp_path / "pwned"
+    for other in [
+        archive(torch.zeros(2)),  # a storage
+        archive({"lr": torch.tensor(0.1)}),
+        archive(torch.Size([2, 3])),  # a global, although a harmless one
+        io.BytesIO(evil_pickles(sentinel)["torch.save"]),
+        io.BytesIO(evil_pickles(sentinel)["pickle"]),  # not an archive
+        io.BytesIO(b"garbage"),
+    ]:
+        assert _plain_value(other) is _NOT_PLAIN
+    assert not sentinel.exists()

@@ -538,10 +538,44 @@ _VALUE = "<sharded checkpoint value>"  # replaced by the file and entry once the
 
 
 def _load_bytes(value: io.BytesIO) -> Any:
+    plain = _plain_value(value)
+    if plain is not _NOT_PLAIN:
+        return plain
+    value.seek(0)
     try:
         return torch.load(value, weights_only=True)
     except Exception as exc:  # a damaged value fails in many ways; all are one CheckpointError
         raise _load_failure(_VALUE, exc) from None
+
+
+_NOT_PLAIN = object()
+
+
+def _plain_value(value: io.BytesIO) -> Any:
+    """The value in the ``torch.save`` archive ``value`` when its pickle holds only Python's own
+    types (numbers, strings, bytes, None, tuples, lists, dicts, sets: an optimizer's
+    hyperparameters, which DCP stores one entry per parameter and name), else ``_NOT_PLAIN``.
+
+    Such a pickle names no global and no storage, so an unpickler that refuses both reads it
+    exactly as ``torch.load(weights_only=True)`` does, for a tenth of the time (0.05 s of a 1.2 GB
+    load went to 528 of them). Anything else is left to ``torch.load``."""
+    try:
+        reader: Any = torch._C.PyTorchFileReader(value)
+        pickled = reader.get_record("data.pkl")
+        check_memo_indices(pickled)
+        return _PlainUnpickler(io.BytesIO(pickled)).load()
+    except Exception:  # not an archive, a global, a tensor, damage: torch.load decides, and names it
+        return _NOT_PLAIN
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Python's own types only: any global or persistent id (a storage) fails the read."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("a storage")
 
 
 def _load_failure(path: str | os.PathLike, exc: BaseException) -> CheckpointError:
