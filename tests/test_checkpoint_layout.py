@@ -256,3 +256,54 @@ def test_a_float32_checkpoint_loads_into_a_float64_model(saved):
     load_checkpoint(path, fresh, restore_rng=False)
     for (name, a), b in zip(state.model.named_parameters(), fresh.model.parameters()):
         assert b.dtype == torch.float64 and torch.equal(a.double(), b), name
+
+
+def test_each_file_is_read_in_a_thread_of_its_own_and_a_failure_there_names_its_entry(saved, monkeypatch):
+    """With several .distcp files on local disk, each file's whole tensors are read in a thread of
+    their own; what cannot be read in place comes back to the caller's thread. Damage found in a
+    thread is reported as in one: the file and the entry."""
+    import threading
+
+    import torch
+
+    from kiln.checkpoint import CheckpointError
+    from kiln.checkpoint.serialization import _SafeReading, read_dcp_metadata
+    from workers.ckpt_tamper import rehash
+
+    path, state = saved
+    metadata = read_dcp_metadata(path)
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    assert len(files) >= 2
+    seen: list[tuple[str, str]] = []
+    original = _SafeReading._read_whole_tensors
+
+    def spy(self, planner, relative_path, reqs):
+        seen.append((relative_path, threading.current_thread().name))
+        return original(self, planner, relative_path, reqs)
+
+    monkeypatch.setattr(_SafeReading, "_read_whole_tensors", spy)
+    fresh = build_state(seed=1)
+    load_checkpoint(path, fresh)
+    assert sorted(name for name, _ in seen) == files
+    assert all(thread.startswith("kiln-read") for _, thread in seen)
+    for a, b in zip(state.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    # the zip directory of the last tensor entry of the second file, damaged (checksums rewritten,
+    # as an attacker would): one CheckpointError naming that file and that entry
+    tensors = [
+        (info.offset, index.fqn, info)
+        for index, info in metadata.storage_data.items()
+        if info.relative_path == files[1] and hasattr(metadata.state_dict_metadata[index.fqn], "size")
+    ]
+    _, key, info = max(tensors, key=lambda t: t[0])
+    file = path / files[1]
+    data = bytearray(file.read_bytes())
+    end = info.offset + info.length
+    directory = data.rfind(b"PK\x01\x02", info.offset, end)
+    data[directory : directory + 4] = b"XXXX"
+    file.write_bytes(bytes(data))
+    rehash(path)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path, build_state(seed=1))
+    message = str(caught.value)
+    assert files[1] in message and f"entry {key} " in message and "is damaged" in message, message

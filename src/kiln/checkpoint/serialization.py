@@ -18,6 +18,7 @@ import os
 import pickle
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
@@ -318,6 +320,9 @@ class _SafeReading:
     def _read(self, plan: Any, planner: Any) -> Any:
         try:
             self._read_items(plan, planner)
+        except _EntryFailure as failure:  # from a reading thread, which names its entry itself
+            self._reading = failure.sinfo
+            raise self._failure(failure.error) from None
         except Exception as exc:
             raise self._failure(exc) from None
         done: Future[None] = Future()
@@ -325,13 +330,22 @@ class _SafeReading:
         return done
 
     def _read_items(self, plan: Any, planner: Any) -> None:
-        """DCP's ``FileSystemReader.read_data``, with one change: a whole tensor is read from the file
-        straight into its target's memory. DCP loads each entry into a new tensor and copies it
-        over, which made that copy the largest part of a load (0.11 s of 0.15 s for 1.2 GB)."""
+        """DCP's ``FileSystemReader.read_data``, with two changes: a whole tensor is read from the
+        file straight into its target's memory (DCP loads each entry into a new tensor and copies it
+        over, which made that copy the largest part of a load: 0.11 s of 0.15 s for 1.2 GB), and
+        with several files on local disk (or already downloaded) those reads run in one thread per
+        file (``readinto`` releases the GIL: the copies from the page cache use every core)."""
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative_path, reqs in per_file.items():
+        files = list(per_file.items())
+        with_tensors = sum(any(r.type != LoadItemType.BYTE_IO for r in reqs) for _, reqs in files)
+        threads = min(with_tensors, _READ_THREADS)
+        if threads > 1 and isinstance(self.fs, (FileSystem, _KeptFiles)):
+            with ThreadPoolExecutor(threads, thread_name_prefix="kiln-read") as pool:
+                rest = list(pool.map(lambda file: self._read_whole_tensors(planner, *file), files))
+            files = [(relative_path, reqs) for (relative_path, _), reqs in zip(files, rest) if reqs]
+        for relative_path, reqs in files:  # values, parts of tensors, other dtypes: as DCP does
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
@@ -353,6 +367,29 @@ class _SafeReading:
                             )
                         target.copy_(tensor)
                     planner.commit_tensor(req, target)
+
+    def _read_whole_tensors(self, planner: Any, relative_path: str, reqs: list[Any]) -> list[Any]:
+        """In a thread of its own: the whole tensors of ``relative_path`` that can be read in place
+        are; the rest of ``reqs`` is returned, for the caller's thread (it changes the planner's
+        dictionaries, which one thread at a time must do). A failure comes back naming its entry."""
+        rest: list[Any] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                info = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                    rest.append(req)
+                    continue
+                try:
+                    # the DCP reader's slicing, not this class's: it notes the entry on self
+                    source = FileSystemReader._slice_file(self, stream, info)  # type: ignore[arg-type]
+                    target = planner.resolve_tensor(req).detach()
+                    if not (source.seekable() and _read_in_place(source, req, target)):
+                        rest.append(req)
+                        continue
+                except Exception as exc:
+                    raise _EntryFailure(info, exc) from None
+                planner.commit_tensor(req, target)
+        return rest
 
     def _failure(self, exc: Exception) -> CheckpointError:
         sinfo = getattr(self, "_reading", None)
@@ -494,6 +531,19 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         if len(size) != len(stride) or not isinstance(storage, tuple):
             raise pickle.UnpicklingError("a malformed tensor")
         return _TensorRecordUnpickler, storage, storage_offset, size, stride
+
+
+# Threads reading a checkpoint's files at once: one per core, as far as there are files (DCP writes
+# two per rank here, one per writer thread).
+_READ_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+class _EntryFailure(Exception):
+    """A failure while a reading thread read entry ``sinfo``."""
+
+    def __init__(self, sinfo: Any, error: Exception) -> None:
+        super().__init__(str(error))
+        self.sinfo, self.error = sinfo, error
 
 
 class _KeptFiles:
