@@ -211,3 +211,17 @@ def test_plain_byte_entries_are_read_without_torch_load_and_everything_else_is_l
     ]:
         assert _plain_value(other) is _NOT_PLAIN
     assert not sentinel.exists()
+
+
+def test_a_damaged_metadata_opcode_is_reported_as_damage_and_a_named_global_as_code(tmp_path):
+    """An opcode the unpickler does not know is damage, not code: the message says so; a global
+    that is not one of DCP's record classes is code (test_checkpoint_errors.py has the payload)."""
+    import pickletools
+
+    path = _checkpoint(tmp_path / "run", "sharded")
+    data = (path / ".metadata").read_bytes()
+    at = next(pos for op, _, pos in pickletools.genops(data) if op.name == "EMPTY_TUPLE")
+    (path / ".metadata").write_bytes(data[:at] + b"\x00" + data[at + 1 :])  # no opcode has code 0
+    rehash(path)
+    with pytest.raises(CheckpointError, match=r"\.metadata: is damaged and cannot be read \(UnpicklingError"):
+        load_checkpoint(path, build_state(seed=1))

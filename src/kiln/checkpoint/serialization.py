@@ -142,32 +142,32 @@ def check_memo_indices(data: bytes) -> None:
             at += width + int.from_bytes(data[at : at + width], "little")
 
 
+_REFUSED = "global "  # how _MetadataUnpickler's refusal of a name starts: code, not damage
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+        raise pickle.UnpicklingError(f"{_REFUSED}{module}.{name} is not allowed in DCP metadata")
 
 
 def read_dcp_metadata(path: Any) -> Metadata:
     """DCP's ``.metadata`` from checkpoint folder ``path``, refusing anything but its record classes."""
     file = as_path(path) / ".metadata"
     try:
-        # From memory, not the file: a damaged length in the pickle (a frame, a string) would make
-        # the unpickler ask the file for that many bytes, which a file object allocates up front (a
-        # fuzzed .metadata once took 21 GB); a BytesIO returns what it holds.
-        data = file.read_bytes()
+        data = file.read_bytes()  # whole: the memo check walks it before the unpickler runs
         check_memo_indices(data)
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except FileNotFoundError:
         raise CheckpointError(
             file, "is missing (a sharded checkpoint needs it)", "copy the whole checkpoint folder"
         ) from None
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(file, f"asks to run code while loading ({exc})", _UNSAFE_FIX) from None
     except Exception as exc:  # truncated or garbled pickles fail in many ways
+        if isinstance(exc, pickle.UnpicklingError) and str(exc).startswith(_REFUSED):
+            raise CheckpointError(file, f"asks to run code while loading ({exc})", _UNSAFE_FIX) from None
         raise CheckpointError(
             file,
             f"is damaged and cannot be read ({type(exc).__name__}: {exc})",
