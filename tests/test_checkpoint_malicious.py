@@ -225,3 +225,28 @@ def test_a_damaged_metadata_opcode_is_reported_as_damage_and_a_named_global_as_c
     rehash(path)
     with pytest.raises(CheckpointError, match=r"\.metadata: is damaged and cannot be read \(UnpicklingError"):
         load_checkpoint(path, build_state(seed=1))
+
+
+def test_archive_pickles_with_a_memo_index_past_their_end_are_declined_without_growing_memory():
+    """The tensor and plain-value readers unpickle an archive's data.pkl themselves: the same memo
+    check runs first, so a LONG_BINPUT of index 2**27 is declined (torch.load's own unpickler, with
+    a dictionary for a memo, then judges it) instead of a 2 GiB table."""
+    import io
+    import pickletools
+    import resource
+
+    from kiln.checkpoint.serialization import _NOT_PLAIN, _plain_value, _tensor_record
+
+    def crafted(value):
+        buffer = io.BytesIO()
+        torch.save(value, buffer, pickle_protocol=4)  # protocol 4 memoizes with one-byte MEMOIZE
+        data = buffer.getvalue()
+        pickled = torch._C.PyTorchFileReader(io.BytesIO(data)).get_record("data.pkl")
+        at = [pos for op, _, pos in pickletools.genops(pickled) if op.name == "MEMOIZE"][1]
+        bad = pickled[:at] + b"r" + (1 << 27).to_bytes(4, "little") + pickled[at + 5 :]  # same length
+        return io.BytesIO(data.replace(pickled, bad, 1))
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert _tensor_record(crafted(torch.zeros(2, 3))) is None
+    assert _plain_value(crafted({"lr": [0.1, (0.9, 0.99)], "name": "adam"})) is _NOT_PLAIN
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

@@ -321,8 +321,7 @@ class _SafeReading:
         try:
             self._read_items(plan, planner)
         except _EntryFailure as failure:  # from a reading thread, which names its entry itself
-            self._reading = failure.sinfo
-            raise self._failure(failure.error) from None
+            raise self._failure(failure.error, failure.sinfo) from None
         except Exception as exc:
             raise self._failure(exc) from None
         done: Future[None] = Future()
@@ -391,8 +390,10 @@ class _SafeReading:
                 planner.commit_tensor(req, target)
         return rest
 
-    def _failure(self, exc: Exception) -> CheckpointError:
-        sinfo = getattr(self, "_reading", None)
+    def _failure(self, exc: Exception, sinfo: Any = None) -> CheckpointError:
+        """The CheckpointError for ``exc``, raised while reading entry ``sinfo`` (by default the one
+        this thread's ``_slice_file`` noted last)."""
+        sinfo = sinfo or getattr(self, "_reading", None)
         if sinfo is None and isinstance(exc, OSError) and exc.filename:  # opening a file failed
             return CheckpointError(
                 exc.filename,
@@ -470,20 +471,26 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _archive_pickle(stream: Any) -> tuple[Any, bytes]:
+    """The zip reader of the ``torch.save`` archive in ``stream`` and its pickle (``data.pkl``),
+    whose memo indices :func:`check_memo_indices` has checked (ValueError), ready for an unpickler.
+    Any: torch's stubs lack ``has_record`` and ``get_record_offset``, which torch.serialization calls."""
+    reader: Any = torch._C.PyTorchFileReader(stream)
+    pickled = reader.get_record("data.pkl")
+    check_memo_indices(pickled)
+    return reader, pickled
+
+
 def _tensor_record(entry: Any) -> tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int, int] | None:
     """``(dtype, size, stride, storage_offset, data offset, data bytes)`` of the one tensor that the
     ``torch.save`` archive in ``entry`` holds (offsets from the archive's start); None when it holds
     anything else (then the caller loads it with ``torch.load``, weights-only)."""
-    # reads the zip directory (a damaged one raises here); Any: torch's stubs lack has_record and
-    # get_record_offset, which torch.serialization itself calls
-    reader: Any = torch._C.PyTorchFileReader(entry)
-    if reader.get_record("byteorder") not in (b"little", None):
-        return None
     try:
-        pickled = reader.get_record("data.pkl")
-        check_memo_indices(pickled)
+        reader, pickled = _archive_pickle(entry)  # a damaged zip directory raises (RuntimeError)
         found = _TensorRecordUnpickler(io.BytesIO(pickled)).load()
     except (pickle.UnpicklingError, TypeError, ValueError, EOFError, IndexError, KeyError):
+        return None
+    if reader.get_record("byteorder") not in (b"little", None):
         return None
     if not (isinstance(found, tuple) and len(found) == 5 and found[0] is _TensorRecordUnpickler):
         return None
@@ -610,9 +617,7 @@ def _plain_value(value: io.BytesIO) -> Any:
     exactly as ``torch.load(weights_only=True)`` does, for a tenth of the time (0.05 s of a 1.2 GB
     load went to 528 of them). Anything else is left to ``torch.load``."""
     try:
-        reader: Any = torch._C.PyTorchFileReader(value)
-        pickled = reader.get_record("data.pkl")
-        check_memo_indices(pickled)
+        _, pickled = _archive_pickle(value)
         return _PlainUnpickler(io.BytesIO(pickled)).load()
     except Exception:  # not an archive, a global, a tensor, damage: torch.load decides, and names it
         return _NOT_PLAIN
