@@ -91,7 +91,7 @@ class Server:
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 raise AssertionError(
                     f"no answer from the crash server in {timeout} s (server {_proc_state(self.proc.pid)}, "
-                    f"child {_proc_state(self.child)}); its stderr:\n{self.stderr()}"
+                    f"child {_proc_state(self.child)}); unterminated output {self.buffer!r}; its stderr:\n{self.stderr()}"
                 )
             chunk = os.read(fd, 1 << 16)
             if not chunk:

@@ -17,6 +17,7 @@ process. The child is killed only by the server, which reaps it only after the k
 """
 
 import os
+import select
 import signal
 import sys
 import time
@@ -31,6 +32,14 @@ from workers.ckpt_common import build_state
 
 KEEP = 2
 WIDTH = 512
+
+
+def say(line: str) -> None:
+    """One answer line in one write(2): a pipe write of under PIPE_BUF bytes is atomic, so a child
+    killed mid-line leaves all of it or none. print() may write the text and its newline apart (it
+    does under PYTHONUNBUFFERED): a kill between the two glued the server's next answer onto the
+    child's line ("saved ep0-ba18exit 1412 -9"), and the test waited for an "exit" line that never came."""
+    os.write(sys.stdout.fileno(), line.encode()[: select.PIPE_BUF - 1] + b"\n")
 
 
 def step(state) -> None:
@@ -55,7 +64,7 @@ def child(folder: str, mode: str, start: str, server: int) -> None:
         # otherwise land before any checkpoint exists. Say "saved" only once `last` exists.
         while resolve_checkpoint(folder, "last", must_exist=False) is None:
             time.sleep(0.001)
-        print(f"saved {checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)}", flush=True)
+        say(f"saved {checkpoint_name(state.timestamp.epoch.value, state.timestamp.batch.value)}")
 
 
 def warm_up() -> None:
@@ -82,7 +91,7 @@ def warm_up() -> None:
 def serve() -> None:
     torch.set_num_threads(1)
     warm_up()
-    print("ready", flush=True)
+    say("ready")
     pid = None
     for line in sys.stdin:
         command, *args = line.split()
@@ -94,16 +103,16 @@ def serve() -> None:
                 try:
                     child(*args, server)
                 except BaseException:
-                    print(f"error {traceback.format_exc(limit=-3)!r}", flush=True)
+                    say(f"error {traceback.format_exc(limit=-3)!r}")
                     traceback.print_exc()
                 finally:
                     os._exit(1)
-            print(f"child {pid}", flush=True)
+            say(f"child {pid}")
         elif command == "kill":
             os.kill(pid, signal.SIGKILL)  # a child that already died is a zombie until reaped: same pid
             _, status = os.waitpid(pid, 0)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            print(f"exit {pid} {code}", flush=True)
+            say(f"exit {pid} {code}")
             pid = None
         elif command == "quit":
             return
