@@ -356,32 +356,6 @@ class Engine:
         assert loss is not None  # at least one microbatch ran
         return loss if total is None else total
 
-    def plain_step(self) -> tuple[nn.Module, Callable[..., torch.Tensor], torch.optim.Optimizer] | None:
-        """``(model, criterion, optimizer)`` when a step of this Engine is exactly the raw loop's
-        ``optimizer.zero_grad(set_to_none=True); loss = criterion(model(x), y); loss.backward();
-        optimizer.step()``: no accumulation, input casts, autocast, clipping, grad scaler or strategy
-        method of its own. Else None. A caller that runs those four calls itself, to save the frames
-        of :meth:`train_step` (the Trainer's loop when nothing listens inside a batch), moves its
-        batches to :attr:`device` and reports the steps it took with :meth:`count_steps`."""
-        if (
-            self._accum != 1
-            or self._cast
-            or self._autocast
-            or not (self._inline_loss and self._inline_backward and self._inline_step)
-            or self.clip_grad_norm is not None
-            or self.optimizer is None
-            or self._criterion is None
-        ):
-            return None
-        return self.model, self._criterion, self.optimizer
-
-    def count_steps(self, steps: int) -> None:
-        """Record ``steps`` optimizer steps taken through :meth:`plain_step`'s parts, as
-        :meth:`train_step` would have (the step count a heartbeat reports)."""
-        if steps:
-            self._num_steps += steps
-            self._last_call = "optimizer_step"
-
     def _describe(self) -> str:
         """``Engine.backward (step 5)``: the last Engine call and the optimizer step it belongs to."""
         step = self._num_steps + (self._last_call != "optimizer_step")

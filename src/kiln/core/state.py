@@ -72,8 +72,8 @@ class State:
     microbatch_weighting: str
     """How a step's microbatch losses add up: "samples" (the mean), "sum" or "tokens" (see kiln.core.batch)."""
     # -- time -----------------------------------------------------------------------------------
-    timestamp: Timestamp
-    """Where the run is: epoch, batch, sample, token; advances before ``BATCH_END``."""
+    _timestamp: Timestamp
+    """The run's one Timestamp (see the ``timestamp`` property)."""
     max_duration: Time | None
     """When ``fit()`` ends (None until given)."""
     # -- the current batch ------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class State:
         self.callbacks = list(callbacks)
         self.run_name = run_name
         self.config = None
-        self.timestamp = Timestamp()
+        self._timestamp = Timestamp()
         self.batch = None
         self.outputs = None
         self.loss = None
@@ -152,6 +152,24 @@ class State:
         self._stop = False
 
     # -- conveniences -----------------------------------------------------------------------
+    @property
+    def timestamp(self) -> Timestamp:
+        """Where the run is: epoch, batch, sample, token; advances before ``BATCH_END``.
+
+        Assigning a Timestamp (Composer's ``state.timestamp = state.timestamp.to_next_batch()``)
+        sets the run's clock to its values: the loop, the schedulers and the checkpoints hold this
+        one object, so a callback that moves the time at ``FIT_START`` or between batches moves
+        the run's time, and training continues from there.
+        """
+        return self._timestamp
+
+    @timestamp.setter
+    def timestamp(self, value: Timestamp) -> None:
+        if not isinstance(value, Timestamp):
+            raise TypeError(f"state.timestamp must be a kiln Timestamp, got {type(value).__name__}")
+        if value is not self._timestamp:
+            self._timestamp.load_state_dict(value.state_dict())
+
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self.optimizers[0] if self.optimizers else None

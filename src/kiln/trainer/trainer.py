@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -371,6 +371,7 @@ class Trainer:
         move, world = self.engine.device.type != "cpu", self.engine.data_parallel_size
         evaluate_batches = evaluates_on(self.evaluators, opts.evaluation, Event.BATCH_END)
         log_every = opts.logging.log_every
+        perf_counter = time.perf_counter
         heartbeat.follow(events.describe)
         try:
             run(Event.FIT_START)
@@ -383,39 +384,25 @@ class Trainer:
                 # restores the RNG after a resume: the loop only asks it for batches.
                 iterator = iter(loader)
                 batch = None
-                quiet = not evaluate_batches and active.isdisjoint(_BATCH_EVENTS)
                 while True:
-                    if quiet:
-                        # No one to tell inside a batch: _quiet_batches runs the batches without the
-                        # checks, until the run stops or the listeners change. A change in a batch's
-                        # step returns with that batch's end to run here, firing its events.
-                        batch, ended = self._quiet_batches(iterator, counter, limit, by_epoch)
-                        quiet = False
-                        if batch is None or (
-                            ended and (state._stop or (not by_epoch and getattr(ts, counter) >= limit))
-                        ):
-                            break
-                        if ended:
-                            continue
-                    else:
-                        if _BEFORE_DATALOADER in active:
-                            run(_BEFORE_DATALOADER)
-                        start = time.perf_counter()
-                        batch = next(iterator, None)
-                        if batch is None:
-                            break
-                        state.batch = move_to_device(batch, self.engine.device) if move else batch
-                        if _AFTER_DATALOADER in active:
-                            run(_AFTER_DATALOADER)
-                        if _BATCH_START in active:
-                            run(_BATCH_START)
-                        # Counted as the dataloader gave it (an algorithm may shrink the batch), for
-                        # every data-parallel rank as Composer counts, without a collective: the
-                        # samplers give every rank the same number of samples per batch.
-                        samples = num_samples(state.batch)
-                        tokens = 0 if type(state.batch) in (tuple, list) else num_tokens(state.batch)
-                        self._train_batch(samples)
-                        ts.advance_batch(samples * world, tokens * world, time.perf_counter() - start)
+                    if _BEFORE_DATALOADER in active:
+                        run(_BEFORE_DATALOADER)
+                    start = perf_counter()  # a batch's time runs from its fetch to its count
+                    batch = next(iterator, None)
+                    if batch is None:
+                        break
+                    state.batch = move_to_device(batch, self.engine.device) if move else batch
+                    if _AFTER_DATALOADER in active:
+                        run(_AFTER_DATALOADER)
+                    if _BATCH_START in active:
+                        run(_BATCH_START)
+                    # Counted as the dataloader gave it (an algorithm may shrink the batch), for
+                    # every data-parallel rank as Composer counts, without a collective: the
+                    # samplers give every rank the same number of samples per batch.
+                    samples = num_samples(state.batch)
+                    tokens = 0 if type(state.batch) in (tuple, list) else num_tokens(state.batch)
+                    self._train_batch(samples)
+                    ts.advance_batch(samples * world, tokens * world, perf_counter() - start)
                     if active or evaluate_batches:  # else nobody reads it before the loop stops (below)
                         state.metrics["train/loss"] = state.loss.detach()
                     for scheduler in self._per_batch_schedulers:
@@ -457,113 +444,6 @@ class Trainer:
             if hook_callback is not None:
                 events.remove(hook_callback)
             progress.close()
-
-    def _quiet_batches(
-        self, batches: Iterator[Any], counter: str, limit: int | float, by_epoch: bool
-    ) -> tuple[Any, bool]:
-        """``fit``'s batches while no one listens to the events inside a batch nor evaluates after
-        one: the same step, counts, schedulers, logging and progress bar, without the event checks,
-        and with the Engine's step written out where nothing wraps its calls (:meth:`_direct_step`).
-
-        ``batches``: the epoch's iterator, which fit() goes on with where this returns.
-
-        Returns ``(None, True)`` when ``batches`` ran out, else ``(the last batch, whether its end
-        ran)``: ended, once the run stops (``stop_training``, ``max_duration``) or the listeners
-        changed in a batch's end; not ended, when they changed in its step (its forward, the
-        loader, ...), so that ``fit`` runs the batch's end with their events. ``fit`` goes on with
-        the epoch's rest, firing the events."""
-        state, events, engine, progress = self.state, self.events, self.engine, self.progress
-        ts, active, version = state.timestamp, events.active, events.version
-        device, world = engine.device, engine.data_parallel_size
-        move = device.type != "cpu"
-        schedulers, log_every = self._per_batch_schedulers, self.options.logging.log_every
-        logs, draws = bool(self.logger.destinations), progress._bar is not None
-        direct = self._direct_step()
-        model, criterion, optimizer, targets = direct if direct is not None else _NOT_DIRECT
-        perf_counter, tensor = time.perf_counter, torch.Tensor
-        # A batch's time runs from its fetch to its count, as in fit(); with nothing to run between
-        # the count and the next fetch but the checks below, one clock read serves as both.
-        after_count = bool(schedulers) or logs or draws
-        start, first_batch = perf_counter(), ts._batch
-        try:
-            for batch in batches:
-                if batch is None:  # what ends fit()'s epoch too
-                    return None, True
-                if move:
-                    batch = move_to_device(batch, device)
-                state.batch = batch
-                tokens = 0
-                # num_samples's and num_tokens's common case, (inputs, targets), without their calls
-                kind = type(batch)
-                if (kind is tuple or kind is list) and batch and type(first := batch[0]) is tensor:
-                    try:
-                        samples = first.shape[0]
-                    except IndexError:  # a 0-dim first tensor: the samples are another tensor's
-                        samples = num_samples(batch)
-                else:
-                    samples = num_samples(batch)
-                    if kind is not tuple and kind is not list:
-                        tokens = num_tokens(batch)
-                if direct is None:
-                    self._train_batch(samples)
-                else:  # Engine.train_step's one-microbatch path, as _train_batch and _plain_loss call it
-                    state.outputs = None  # the last step's outputs would stay alive through this forward
-                    optimizer.zero_grad(set_to_none=True)
-                    state.outputs = outputs = model(batch[0] if targets else batch)
-                    state.loss = loss = criterion(outputs, batch[1] if targets else batch)
-                    loss.backward()
-                    optimizer.step()
-                now = perf_counter()
-                ts.advance_batch(samples * world, tokens * world, now - start)
-                if events.version != version:
-                    return batch, False
-                if active:  # else nobody reads it before the loop stops
-                    state.metrics["train/loss"] = state.loss.detach()
-                if after_count:
-                    for scheduler in schedulers:
-                        scheduler.step()
-                    if logs and ts._batch % log_every == 0:
-                        self._log_train()
-                    if draws:
-                        progress.update(state)
-                    if events.version != version:
-                        return batch, True
-                    now = perf_counter()
-                if state._stop or (not by_epoch and getattr(ts, counter) >= limit):
-                    return batch, True
-                start = now
-            return None, True
-        finally:
-            if direct is not None:
-                # as train_step leaves the Engine's count (it describes the rank to a heartbeat)
-                engine.count_steps(ts._batch - first_batch)
-
-    def _direct_step(self) -> tuple[Any, Any, Any, bool] | None:
-        """(model, loss, optimizer, whether batches are (inputs, targets)) when a step is the Engine's
-        plainest (:meth:`Engine.plain_step`) and the Trainer's forward and loss are as built, one
-        microbatch a batch. Then :meth:`_quiet_batches` calls these itself, the frames of train_step,
-        _plain_loss, Engine.__call__ and Engine.criterion saved; else (None) it calls
-        :meth:`_train_batch`."""
-        engine, opts = self.engine, self.options.microbatching
-        if (
-            type(engine) is not Engine
-            or opts.splits_batches
-            or opts.auto_microbatch
-            or self.state.microbatch_weighting not in ("samples", "sum")
-        ):
-            return None
-        parts = engine.plain_step()
-        if parts is None:
-            return None
-        model, criterion, optimizer = parts
-        if self._is_kiln_model:
-            # forward() and the loss as __init__ built them: model(batch), then the model's loss of (outputs, batch)
-            if self.loss_fn != engine.criterion or type(self).forward is not Trainer.forward:
-                return None
-            return model, criterion, optimizer, False
-        if self.loss_fn is not self._targets_loss:
-            return None
-        return model, criterion, optimizer, True
 
     def _prepare_fit(
         self,
@@ -808,22 +688,6 @@ _BEFORE_LOSS, _AFTER_LOSS = Event.BEFORE_LOSS, Event.AFTER_LOSS
 _BEFORE_BACKWARD, _AFTER_BACKWARD = Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD
 _MICROBATCH_EVENTS = frozenset({_BEFORE_FORWARD, _AFTER_FORWARD, _BEFORE_LOSS, _AFTER_LOSS, _BEFORE_BACKWARD})
 _BATCH_END, _BATCH_CHECKPOINT = Event.BATCH_END, Event.BATCH_CHECKPOINT
-_NOT_DIRECT: tuple[Any, Any, Any, bool] = (None, None, None, False)  # _quiet_batches's step when it calls _train_batch
-# The events fired from a batch's fetch to its checkpoint: with none listened to, fit() runs _quiet_batches.
-_BATCH_EVENTS = frozenset(
-    {
-        _BEFORE_DATALOADER,
-        _AFTER_DATALOADER,
-        _BATCH_START,
-        _BEFORE_TRAIN_BATCH,
-        *_MICROBATCH_EVENTS,
-        _AFTER_BACKWARD,
-        _AFTER_TRAIN_BATCH,
-        _BEFORE_OPTIMIZER_STEP,
-        _BATCH_END,
-        _BATCH_CHECKPOINT,
-    }
-)
 
 
 class _RetryBatch(Exception):
