@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from kiln.cli.main import main
 from kiln.report import RunError, load_run
+from kiln.report.plots import PALETTE
 
 matplotlib = pytest.importorskip("matplotlib")  # the `report` extra
 pytest.importorskip("tensorboard")
@@ -27,6 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 # tab10's first two colours: the train loss of a single run, and run B's colour in an overlay
 BLUE, ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
+# What a run of _train shows on each figure, in drawing order (the memory figure's keys vary with
+# the device: see _expected_curves)
+CURVES = {
+    "loss": ["train/loss", "eval/loss"],
+    "learning_rate": ["lr-SGD/group0"],
+    "throughput": ["throughput/samples_per_sec"],
+    "flops": ["throughput/device/flops_per_sec"],
+    "mfu": ["throughput/mfu"],
+    "eval-Accuracy": ["eval/Accuracy"],
+}
 BATCHES_PER_EPOCH = 8
 
 
@@ -86,6 +98,11 @@ def run_b(tmp_path_factory) -> Path:
     return folder
 
 
+def _rgb(colour) -> tuple[int, int, int]:
+    """A matplotlib colour ("#1f77b4", or an RGB tuple of floats) in 0-255 integers."""
+    return tuple(round(255 * c) for c in matplotlib.colors.to_rgb(colour))
+
+
 def _pixels(png: Path):
     image = matplotlib.image.imread(png)  # floats in [0, 1], RGB or RGBA
     return (image[..., :3] * 255).round().astype(int)
@@ -102,6 +119,60 @@ def _columns_with(png: Path, colour: tuple[int, int, int], tolerance: int = 40) 
 
 def _report(*args: str) -> int:
     return main(["report", *map(str, args)])
+
+
+class Curve(NamedTuple):
+    label: str
+    colour: tuple[int, int, int]
+    style: str
+    steps: list[float]
+    values: list[float]
+
+
+@pytest.fixture
+def drawn(monkeypatch) -> dict[str, list[Curve]]:
+    """The curves on each figure `kiln report` saves (by file stem), in drawing order: the lines in
+    data coordinates, not the checkpoint and resume marks (vertical lines across the axes)."""
+    from matplotlib.figure import Figure
+
+    figures: dict[str, list[Curve]] = {}
+    savefig = Figure.savefig
+
+    def spy(figure, fname, *args, **kwargs):
+        (ax,) = figure.axes
+        figures[Path(fname).stem] = [
+            Curve(
+                line.get_label(),
+                _rgb(line.get_color()),
+                line.get_linestyle(),
+                [float(x) for x in line.get_xdata()],
+                [float(y) for y in line.get_ydata()],
+            )
+            for line in ax.get_lines()
+            if line.get_transform() is ax.transData
+        ]
+        return savefig(figure, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", spy)
+    return figures
+
+
+def _expected_curves(run) -> dict[str, list[str]]:
+    """CURVES, with the memory figure's keys: every memory/ metric the run logged (RSS on the CPU)."""
+    memory = sorted(key for key in run.series if key.startswith("memory/") and key != "memory/alloc_retries")
+    assert memory, sorted(run.series)
+    return {**CURVES, "memory": memory}
+
+
+def _assert_curve_is(curve: Curve, series, stem: str) -> None:
+    """The curve shows the series: its steps, and its values times the figure's scale (MFU in
+    percent; FLOP/s in the largest unit of 1000 that keeps the peak at least 1)."""
+    assert curve.steps == series.steps, (stem, curve.label)
+    scale = {"mfu": 100.0}.get(stem, 1.0)
+    if stem == "flops":
+        scale = curve.values[0] / series.values[0]
+        assert any(scale == pytest.approx(10.0**-e) for e in (0, 3, 6, 9, 12)), scale
+    assert curve.values == pytest.approx([v * scale for v in series.values], rel=1e-9), (stem, curve.label)
 
 
 def test_markers_and_resume_history_are_read_from_both_log_kinds(run_a):
@@ -157,20 +228,31 @@ def test_a_resume_replaces_what_was_logged_after_its_checkpoint(tmp_path):
     assert run.series["extra"].steps == [len(lines) - 2]  # no step: the count of metric records before it
 
 
-def test_report_writes_html_and_pngs_with_curves(run_a, tmp_path):
+def test_report_writes_html_and_pngs_with_curves(run_a, tmp_path, drawn):
     out = tmp_path / "report"
     assert _report(run_a, "--out", out) == 0
     page = (out / "report.html").read_text()
     pngs = {p.stem for p in out.glob("*.png")}
-    assert {"loss", "learning_rate", "throughput", "mfu", "memory", "eval-Accuracy"} <= pngs
+    run = load_run(run_a / "metrics.jsonl")
+    expected = _expected_curves(run)
+    assert pngs == set(expected) == set(drawn)
+    # Every metric of each figure is a curve on it, in its own tab10 colour, solid.
+    for stem, keys in expected.items():
+        assert [curve.label for curve in drawn[stem]] == keys, stem
+        for m, (key, curve) in enumerate(zip(keys, drawn[stem])):
+            assert curve.colour == _rgb(PALETTE[m]) and curve.style == "-", (stem, key)
+            _assert_curve_is(curve, run.series[key], stem)
     # Self-contained: every figure embedded as a data URI, the same bytes as the PNG beside it.
     embedded = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert len(embedded) == len(pngs)
     assert base64.b64decode(embedded[0]) == (out / "loss.png").read_bytes()
     assert not re.search(r'(src|href)="(?!data:)', page), "the page refers to another file"
-    # Each figure's first metric is drawn in tab10 blue across the axis, not an empty axis.
-    for stem in ("loss", "learning_rate", "throughput", "mfu", "memory", "eval-Accuracy"):
-        assert _columns_with(out / f"{stem}.png", BLUE) > 300, stem
+    # In the PNGs each curve's colour spans the axis (an evaluation's 5 points too), not an empty
+    # axis. Not the memory figure's later curves: peak RSS can equal current RSS at every step,
+    # and the first curve is drawn on top.
+    for stem, keys in expected.items():
+        for m in range(1 if stem == "memory" else len(keys)):
+            assert _columns_with(out / f"{stem}.png", _rgb(PALETTE[m])) > 300, (stem, keys[m])
     # The summary names the checkpoints and the resume.
     assert "8, 16, 24, 32, 40" in page and ">16<" in page
 
@@ -179,16 +261,28 @@ def test_report_reads_tensorboard_when_there_are_no_json_lines(run_a, tmp_path):
     only_tb = tmp_path / "tb_only"
     shutil.copytree(run_a / "tb", only_tb / "tb")
     assert _report(only_tb) == 0  # default: RUN/report
-    assert _columns_with(only_tb / "report" / "loss.png", BLUE) > 300
+    assert _columns_with(only_tb / "report" / "loss.png", BLUE) > 300  # train/loss
+    assert _columns_with(only_tb / "report" / "loss.png", ORANGE) > 300  # eval/loss
     assert "TensorBoard" in (only_tb / "report" / "report.html").read_text()
 
 
-def test_two_runs_overlay(run_a, run_b, tmp_path):
+def test_two_runs_overlay(run_a, run_b, tmp_path, drawn):
     out = tmp_path / "compare"
     assert _report(run_a, run_b, "--out", out, "--name", "A", "--name", "B") == 0
     for stem in ("loss", "learning_rate", "eval-Accuracy"):
         png = out / f"{stem}.png"
         assert _columns_with(png, BLUE) > 300 and _columns_with(png, ORANGE) > 300, stem
+    # Every figure holds each run's every metric: the run's colour, one line style per metric.
+    runs = {"A": load_run(run_a / "metrics.jsonl"), "B": load_run(run_b / "metrics.jsonl")}
+    expected = _expected_curves(runs["A"])
+    assert _expected_curves(runs["B"]) == expected and set(drawn) == set(expected)
+    for stem, keys in expected.items():
+        assert [curve.label for curve in drawn[stem]] == [f"{name}: {key}" for name in runs for key in keys], stem
+        for curve in drawn[stem]:
+            name, _, key = curve.label.partition(": ")
+            assert curve.colour == {"A": BLUE, "B": ORANGE}[name], curve.label
+            assert curve.style == ["-", "--", ":", "-."][keys.index(key)], curve.label
+            _assert_curve_is(curve, runs[name].series[key], stem)
     page = (out / "report.html").read_text()
     assert "kiln report: A, B (overlay)" in page
 
