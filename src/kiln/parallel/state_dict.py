@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import nn
@@ -12,29 +12,62 @@ if TYPE_CHECKING:
 
 __all__ = ["full_model_state_dict"]
 
+# torch's key for what a module's get_extra_state returns (nn.Module's _EXTRA_STATE_KEY_SUFFIX):
+# a module's own extra state, any picklable object (a HuggingFaceModel's is its config as JSON).
+_EXTRA_STATE = "_extra_state"
 
-def full_model_state_dict(model: nn.Module | Engine) -> dict[str, torch.Tensor]:
-    """The model's full state dict: no ``module.`` prefixes, no DTensors, on every rank.
+
+@overload
+def full_model_state_dict(
+    model: nn.Module | Engine, *, extra_state: Literal[False] = False
+) -> dict[str, torch.Tensor]: ...
+@overload
+def full_model_state_dict(model: nn.Module | Engine, *, extra_state: bool) -> dict[str, Any]: ...
+def full_model_state_dict(model: nn.Module | Engine, *, extra_state: bool = False) -> dict[str, Any]:
+    """The model's full weights: no ``module.`` prefixes, no DTensors, on every rank.
 
     Works for plain modules, DDP, FSDP2 and DTensor-parallel models alike, because
     ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` knows each of them. Given a
     kiln Engine it asks the Engine's strategy, which also covers DeepSpeed (fp32 master weights,
     gathered from ZeRO partitions).
 
+    Every value is a ``torch.Tensor`` (parameters and buffers), so ``{k: v.cpu() for k, v in
+    sd.items()}`` works under every strategy. A module's extra state (``get_extra_state``, kept
+    under a key ending in ``_extra_state``: a :class:`kiln.models.HuggingFaceModel`'s class and
+    config as JSON) is left out unless ``extra_state=True``; checkpoints keep it either way, and
+    ``kiln checkpoint export --hf`` writes the config from there.
+
+    Args:
+        model: a module (wrapped by any strategy) or a kiln Engine.
+        extra_state: also return the modules' extra state, as the objects they gave (not tensors).
+
     Example::
 
         sd = kiln.parallel.full_model_state_dict(engine.model)  # or (engine), under any strategy
+        cpu = {k: v.cpu() for k, v in sd.items()}
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not isinstance(model, nn.Module):  # a kiln Engine: its strategy knows the layout
         state = model.strategy.state_dict(model.model, None, full=True)["model"]
-        return {k: _plain(v) for k, v in state.items()}
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    gather = getattr(model, "gather_full_state_dict", None)
-    if gather is not None:  # a pipeline stage holds only its layers: collect every stage's
-        state = gather(state)
-    return {k: _plain(v) for k, v in state.items()}
+        weights, extras = _split(state)
+    else:
+        weights, extras = _split(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        gather = getattr(model, "gather_full_state_dict", None)
+        if gather is not None:  # a pipeline stage holds only its layers: collect every stage's
+            weights = gather(weights)
+    weights = {k: _plain(v) for k, v in weights.items()}
+    return {**weights, **extras} if extra_state else weights
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(weights, extra state)`` of a state dict: the entries of modules' get_extra_state apart."""
+    weights: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    for key, value in state.items():
+        is_extra = key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)
+        (extras if is_extra else weights)[key] = value
+    return weights, extras
 
 
 def _plain(value: Any) -> Any:
