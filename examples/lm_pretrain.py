@@ -2,7 +2,7 @@
 library's own sources, as byte tokens (examples/lm_data.py). The twin of examples/lm_pretrain.yaml.
 
     kiln run -n 4 examples/lm_pretrain.py                         # zero3 x tp (2 x 2), compile, checkpointing
-    kiln run -n 2 examples/lm_pretrain.py --tp 1 --no-compile     # zero3 on 2 ranks, eager
+    kiln run -n 2 examples/lm_pretrain.py --tp 1 --no-compile     # zero3 over 2 ranks, eager
     kiln run -n 1 examples/lm_pretrain.py --steps 20 --no-compile
 
 Prints the loss, tokens/s and MFU (``--peak-tflops`` gives the device's peak where kiln's table
@@ -39,6 +39,15 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def choose_strategy(world_size: int, tp: int) -> kiln.parallel.Strategy | str:
+    """``tp``-way tensor parallelism with the rest of the world sharding parameters, gradients and
+    optimizer state (zero3): what the YAML twin's ``compute_config`` (``tp``, ``dp_shard: -1``)
+    asks for too. One process: nothing to split."""
+    if world_size == 1:
+        return "single"
+    return kiln.parallel.Hybrid(dp_shard=-1, tp=tp)
+
+
 def main() -> dict[str, float]:
     args = parse_args()
     ctx = kiln.launch_from_torch(seed=0) if "RANK" in os.environ else kiln.launch(seed=0)
@@ -55,8 +64,7 @@ def main() -> dict[str, float]:
     )
     model = kiln.models.HuggingFaceModel(LlamaForCausalLM(config))
     train, val = stdlib_text(seq_len=args.seq_len, max_bytes=args.max_bytes)
-    tp = args.tp if ctx.world_size > 1 else 1
-    strategy = kiln.parallel.Hybrid(dp_shard=-1, tp=tp) if tp > 1 else ("zero3" if ctx.world_size > 1 else "single")
+    strategy = choose_strategy(ctx.world_size, args.tp)
     peak = None if args.peak_tflops is None else args.peak_tflops * 1e12
     ac = None if args.activation_checkpointing == "none" else args.activation_checkpointing
     trainer = kiln.Trainer(

@@ -55,3 +55,47 @@ def test_yaml_twin_trains_under_the_config_cli(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "last").exists()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_yaml_and_script_choose_the_same_strategy_at_world_size_2(tp, monkeypatch):
+    # dp_shard: -1 in a run file selects the hybrid mesh (the rest of the world shards: zero3),
+    # as the script's Hybrid(dp_shard=-1) does; before, with tp 1 the YAML fell back to auto (DDP)
+    from types import SimpleNamespace
+
+    from kiln.config.args import load_trainer_args
+    from kiln.config.trainer_builder import _strategy
+    from kiln.parallel.mesh import ParallelDims
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from lm_pretrain import choose_strategy
+
+    args = load_trainer_args(ROOT / "examples" / "lm_pretrain.yaml", ["--compute_config.tp", str(tp)], world_size=2)
+    from_yaml = _strategy(args, SimpleNamespace(world_size=2, rank=0))
+    from_script = choose_strategy(2, tp)
+    assert repr(from_yaml) == repr(from_script), (from_yaml, from_script)
+    assert from_yaml.dims.resolve(2) == from_script.dims.resolve(2) == ParallelDims(dp_shard=2 // tp, tp=tp)
+
+
+def test_dp_shard_selects_the_hybrid_mesh_only_when_set():
+    import yaml
+
+    from kiln.config.args import TrainerArgs, dump_yaml, load_trainer_args
+
+    base = yaml.safe_load((ROOT / "examples" / "lm_pretrain.yaml").read_text())
+
+    def loaded(**cc):
+        return load_trainer_args({**base, "compute_config": cc}, world_size=2, check=False)
+
+    unset = loaded()
+    assert unset.compute_config.dp_shard is None  # left to the strategy: auto
+    assert unset.compute_config.strategy_name(unset.pas_policy, 2) == "auto"
+    for cc in ({"dp_shard": -1}, {"dp_shard": 2}, {"tp": 2}, {"strategy": "hybrid"}):
+        args = loaded(**cc)
+        assert args.compute_config.strategy_name(args.pas_policy, 2) == "hybrid", cc
+        assert args.compute_config.dp_shard == cc.get("dp_shard", -1)  # filled in for the mesh
+    # a printed config reads back to the same choice
+    for args in (unset, loaded(dp_shard=-1)):
+        again = TrainerArgs.from_dict(yaml.safe_load(dump_yaml(args))).compute_config
+        assert again.strategy_name(args.pas_policy, 2) == args.compute_config.strategy_name(args.pas_policy, 2)

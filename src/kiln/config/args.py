@@ -254,7 +254,8 @@ class TrainerArgs:
         return max(1, world_size // self.compute_config.mesh_size)
 
     def resolve(self, world_size: int) -> TrainerArgs:
-        """A copy with ``global_batch_size`` and ``grad_accumulation_steps`` filled in for this world.
+        """A copy with ``global_batch_size`` and ``grad_accumulation_steps`` filled in for this world
+        (and ``compute_config.dp_shard`` -1 when the strategy is a hybrid mesh that left it unset).
 
         Raises:
             ConfigError: ``runtime_ngpus`` is not the world size, the mesh does not divide the world,
@@ -285,7 +286,8 @@ class TrainerArgs:
                 ),
                 path=f"compute_config.{name}",
             )
-        cc.strategy_name(self.pas_policy, world_size)
+        if cc.strategy_name(self.pas_policy, world_size) == "hybrid" and cc.dp_shard is None:
+            cc = dataclasses.replace(cc, dp_shard=-1)  # a hybrid mesh's shards fill the rest of the world
         dp, micro = self.data_parallel_size(world_size), self.micro_batch_size
         per_step = micro * dp
         how = f"micro_batch_size * data-parallel size = {micro} * {dp}"
@@ -308,7 +310,7 @@ class TrainerArgs:
                 ),
                 path="grad_accumulation_steps",
             )
-        return dataclasses.replace(self, global_batch_size=total, grad_accumulation_steps=accum)
+        return dataclasses.replace(self, compute_config=cc, global_batch_size=total, grad_accumulation_steps=accum)
 
 
 # -- files and command lines ------------------------------------------------------------------

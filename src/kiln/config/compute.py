@@ -28,7 +28,10 @@ class ComputeConfig:
         strategy: a kiln.parallel strategy name (null: from pas_policy; 'autodist' is 'auto').
         strategy_options: keyword options of the strategy.
         dp_replicate: data-parallel replicas of a hybrid mesh.
-        dp_shard: data-parallel shards of a hybrid mesh (-1: the rest of the world).
+        dp_shard: data-parallel shards of a hybrid mesh: -1 is the rest of the world; null (the
+            default) leaves the choice to the strategy. Setting it, -1 included, selects the hybrid
+            strategy as tp, pp or dp_replicate above 1 do: ``dp_shard: -1`` alone shards parameters,
+            gradients and optimizer state over every rank (FSDP, zero3).
         tp: tensor-parallel degree (a value above 1 selects the hybrid strategy).
         pp: pipeline-parallel degree (a value above 1 selects the hybrid strategy).
         plan_ngpus: processes that hold one model replica (nnScaler); the rest is data parallel.
@@ -51,7 +54,7 @@ class ComputeConfig:
     strategy: str | None = None
     strategy_options: dict[str, Any] = field(default_factory=dict)
     dp_replicate: int = 1
-    dp_shard: int = -1
+    dp_shard: int | None = None
     tp: int = 1
     pp: int = 1
     plan_ngpus: int | None = None
@@ -151,7 +154,7 @@ class ComputeConfig:
         value: object  # the field value that chose the strategy, for the error message
         if self.strategy is not None:
             name, path, value = self.strategy, "compute_config.strategy", self.strategy
-        elif self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 or self.dp_shard != -1:
+        elif self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 or self.dp_shard is not None:
             name, path, value = "hybrid", "compute_config.tp", self.tp
         else:
             name, path, value = self._policy_strategy(pas_policy), "pas_policy", pas_policy
