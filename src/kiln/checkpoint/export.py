@@ -22,16 +22,21 @@ import torch
 
 from kiln.checkpoint import layout
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.offline import load_full, safetensors_weights
+from kiln.checkpoint.offline import load_full, safetensors_weights, save_safetensors_file
 from kiln.checkpoint.storage import RemotePath, as_path
 from kiln.precision import DTYPES
 
-__all__ = ["export_hf", "CONFIG_FILE", "WEIGHTS_FILE"]
+__all__ = ["export_hf", "MissingConfigError", "CONFIG_FILE", "WEIGHTS_FILE"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 _EXTRA_STATE = "_extra_state"
 _WRAPPED = "model."  # the attribute a HuggingFaceModel holds its transformers model under
+
+
+class MissingConfigError(CheckpointError):
+    """The checkpoint holds no Hugging Face config and none was given: an input is missing, so
+    ``kiln checkpoint export --hf`` exits 2 (a damaged checkpoint exits 1)."""
 
 
 def export_hf(
@@ -60,8 +65,9 @@ def export_hf(
         storage_options: for URLs (``path`` and ``out``), the fsspec filesystem's options.
 
     Raises:
-        CheckpointError: the checkpoint is unreadable or holds no config (and none was given),
-            ``out`` exists, or the folder cannot be written; the message names the file and the fix.
+        CheckpointError: the checkpoint is unreadable, ``out`` exists, or the folder cannot be
+            written; :class:`MissingConfigError` (one) when it holds no config and none was given.
+            The message names the file and the fix.
 
     Example::
 
@@ -80,7 +86,7 @@ def export_hf(
     elif saved is not None:
         config_dict = saved["config"]
     else:
-        raise CheckpointError(
+        raise MissingConfigError(
             path,
             "holds no Hugging Face config (it was not saved from a kiln.models.HuggingFaceModel, or was "
             "saved by a pipeline, whose stages keep no config)",
@@ -158,14 +164,12 @@ def _write(out: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], t
     if isinstance(out, RemotePath):
         _upload(out, config, weights, tokenizer)
         return
-    from safetensors.torch import save_file
-
     tmp = out.with_name(layout.temporary_name(out.name))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         # transformers refuses a safetensors file without format "pt" in its metadata
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors_file(weights, tmp / WEIGHTS_FILE, {"format": "pt"})
         layout.write_durably(tmp / CONFIG_FILE, _config_bytes(config))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

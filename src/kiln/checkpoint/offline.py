@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,26 @@ def safetensors_weights(state: Any, prefix: str, dtype: torch.dtype | None) -> d
     return weights
 
 
+def save_safetensors_file(weights: Mapping[str, torch.Tensor], file: Path, metadata: Mapping[str, str]) -> None:
+    """safetensors' ``save_file`` into the new local ``file``, leaving it the mode ``open()`` gives a
+    new file (0o666 less the umask, so 0o644 under the usual 022).
+
+    safetensors creates its files 0o600, which left an export's weights unreadable to the group
+    and others beside a 0o644 ``config.json``. The file is created here first, so the process's
+    umask (and a default ACL) decides its mode as for any file kiln writes, and that mode is put
+    back after safetensors has written it.
+    """
+    from safetensors.torch import save_file
+
+    fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    save_file(dict(weights), str(file), metadata=dict(metadata))
+    os.chmod(file, mode)
+
+
 def export_safetensors(
     path: Any,
     out: str | os.PathLike,
@@ -279,7 +300,7 @@ def export_safetensors(
 
         kiln.checkpoint.export_safetensors("runs/a/best", "model.safetensors", dtype="bf16")
     """
-    from safetensors.torch import save, save_file
+    from safetensors.torch import save
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -307,6 +328,10 @@ def export_safetensors(
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(layout.temporary_name(target.name))
-    save_file(weights, str(tmp), metadata=metadata)
-    os.replace(tmp, target)
+    try:
+        save_safetensors_file(weights, tmp, metadata)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return target

@@ -2,9 +2,15 @@
 
 Every PATH, SRC and (for merge) DST may be an fsspec URL (``s3://bucket/run/last``); S3's endpoint
 and credentials come from the standard environment variables (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ...). Every subcommand exits 0 on success and 1 with one line naming the file and the problem on a bad
-checkpoint (a :class:`kiln.checkpoint.CheckpointError`), never a traceback. ``export --hf`` exits 2
-on any input it cannot export (a bad checkpoint, no config, an existing OUT), as a bad config does.
+``AWS_ACCESS_KEY_ID``, ...). Exit codes, the same for every subcommand, each failure one line on
+stderr and never a traceback:
+
+* 0: done;
+* 2: usage and missing inputs, found before anything is read or written: a PATH, SRC or
+  ``--config`` that does not exist, a DST or ``--hf`` OUT that does, a checkpoint without the
+  Hugging Face config ``export --hf`` needs and no ``--config`` (argparse's own errors exit 2 too);
+* 1: failures: a checkpoint that is damaged, incomplete or unsafe, or an output that cannot be
+  written (a :class:`kiln.checkpoint.CheckpointError` naming the file and the problem).
 """
 
 from __future__ import annotations
@@ -68,20 +74,59 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     export.set_defaults(func=_export)
 
 
-def _guarded(action):
-    def run(args: argparse.Namespace) -> int:
-        from kiln.checkpoint import CheckpointError
-
-        try:
-            return action(args) or 0
-        except CheckpointError as exc:
-            print(f"kiln checkpoint {args.checkpoint_command}: {exc}", file=sys.stderr)
-            return 1
-
-    return run
+class _UsageError(Exception):
+    """A usage mistake or a missing input: one line, exit status 2."""
 
 
-@_guarded
+_MISSING = "does not exist; check the path (a checkpoint is a folder such as ep3-ba120, or a merged .pt file)"
+_IN_THE_WAY = "already exists; choose a new destination or remove it first"
+
+
+def _check_paths(args: argparse.Namespace, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> None:
+    """Refuse, before any work, an input that is not there or an output that is (exit 2)."""
+    from kiln.checkpoint.storage import as_path
+
+    for name in inputs:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        path = as_path(value)
+        if not (path.exists() or path.is_symlink()):  # a dangling `last` falls back to the newest checkpoint
+            raise _UsageError(f"{_LABELS.get(name, name.upper())} {value} {_MISSING}")
+    for name in outputs:
+        value = getattr(args, name, None)
+        if value is not None and (as_path(value).exists() or as_path(value).is_symlink()):
+            raise _UsageError(f"{_LABELS.get(name, name.upper())} {value} {_IN_THE_WAY}")
+
+
+_LABELS = {"config": "--config", "hf": "--hf OUT"}
+
+
+def _guarded(inputs: tuple[str, ...] = (), outputs: tuple[str, ...] = ()):
+    """The subcommand's action with kiln's exit codes: 2 for usage and missing inputs, 1 for failures."""
+
+    def wrap(action):
+        def run(args: argparse.Namespace) -> int:
+            from kiln.checkpoint import CheckpointError
+            from kiln.checkpoint.export import MissingConfigError
+
+            command = f"kiln checkpoint {args.checkpoint_command}"
+            try:
+                _check_paths(args, inputs, outputs)
+                return action(args) or 0
+            except (_UsageError, MissingConfigError) as exc:
+                print(f"{command}: error: {exc}", file=sys.stderr)
+                return 2
+            except CheckpointError as exc:
+                print(f"{command}: {exc}", file=sys.stderr)
+                return 1
+
+        return run
+
+    return wrap
+
+
+@_guarded(inputs=("src",), outputs=("dst",))
 def _merge(args: argparse.Namespace) -> int:
     from kiln.checkpoint import merge_checkpoint
 
@@ -89,7 +134,7 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@_guarded(inputs=("path",))
 def _inspect(args: argparse.Namespace) -> int:
     from kiln.checkpoint import inspect_checkpoint
     from kiln.checkpoint.offline import format_inspection
@@ -99,7 +144,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-@_guarded
+@_guarded(inputs=("path",))
 def _verify(args: argparse.Namespace) -> int:
     from kiln.checkpoint import verify_checkpoint
 
@@ -121,28 +166,26 @@ def _verify(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     if args.hf is not None:
         return _export_hf(args)
-    if args.config is not None:
-        print("kiln checkpoint export: --config goes with --hf OUT", file=sys.stderr)
-        return 2
     return _export_safetensors(args)
 
 
-@_guarded
+@_guarded(inputs=("path",))
 def _export_safetensors(args: argparse.Namespace) -> int:
     from kiln.checkpoint import export_safetensors
 
+    if args.config is not None:
+        raise _UsageError(f"--config {args.config} goes with --hf OUT (a Hugging Face folder), not --safetensors")
     print(f"exported model weights of {args.path} -> {export_safetensors(args.path, args.safetensors, args.dtype)}")
     return 0
 
 
+@_guarded(inputs=("path", "config"), outputs=("hf",))
 def _export_hf(args: argparse.Namespace) -> int:
-    from kiln.checkpoint import CheckpointError
     from kiln.checkpoint.export import export_hf
 
     try:
         out = export_hf(args.path, args.hf, config=args.config, dtype=args.dtype)
-    except (CheckpointError, ValueError, TypeError) as exc:
-        print(f"kiln checkpoint export: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as exc:  # an input it cannot export
+        raise _UsageError(str(exc)) from None
     print(f"exported {args.path} -> {out} (transformers: AutoModelFor...from_pretrained({str(out)!r}))")
     return 0
