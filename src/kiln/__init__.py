@@ -14,6 +14,12 @@ from typing import Any
 
 __version__ = "0.2.0"
 
+# transformers imports torchao whenever it is installed; its import-time warnings about optional
+# kernels are kept off runs that never asked for torchao (kiln/_import_noise.py says which and why)
+from kiln._import_noise import quiet_torchao_import as _quiet_torchao_import  # noqa: E402
+
+_quiet_torchao_import()
+
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # launch

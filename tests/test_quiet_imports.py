@@ -1,0 +1,130 @@
+"""Optional packages load only for the feature that needs them, and a run prints no foreign warnings
+kiln can prevent (issue 23).
+
+Each check runs in a fresh interpreter and reads its ``sys.modules`` and stderr:
+
+* ``import kiln`` imports no optional package (nor torch);
+* a plain Trainer run (fit, a checkpoint, the console logger) imports none either; only
+  ``float8=`` imports torchao;
+* a Hugging Face run prints none of the warnings torchao logs while transformers imports it
+  (transformers 5 imports torchao whenever it is installed: kiln cannot stop that import, only its
+  noise), and torchao's warnings after its import still show.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from distributed import base_env
+
+# packages kiln uses only when a feature asks for them (pyproject's extras and integrations)
+OPTIONAL = [
+    "torchao",
+    "transformers",
+    "datasets",
+    "torchdata",
+    "tensorboard",
+    "wandb",
+    "mlflow",
+    "fsspec",
+    "s3fs",
+    "matplotlib",
+    "deepspeed",
+    "torchft",
+]
+TORCHAO_IMPORT_NOISE = ("Failed to load", "_C_mxfp8", "is an Enum subclass", "Skipping import of cpp extensions")
+
+
+def _run(code: str, tmp_path) -> tuple[dict, str]:
+    """Run ``code`` in a new interpreter; returns (the JSON it printed last, its stderr)."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+LOADED = f"json.dumps(sorted({{n.split('.')[0] for n in sys.modules}} & set({OPTIONAL!r} + ['torch'])))"
+
+
+def test_import_kiln_imports_no_optional_package(tmp_path):
+    loaded, _ = _run(f"import json, sys, kiln; print({LOADED})", tmp_path)
+    assert loaded == []
+
+
+def _plain_run(float8: bool | dict) -> str:
+    return f"""
+        import json, sys
+        import torch
+        from torch import nn
+        import kiln
+
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        batches = [(torch.randn(16, 16), torch.randn(16, 16))] * 2
+        trainer = kiln.Trainer(model, criterion=nn.MSELoss(), train_dataloader=batches, max_duration="2ba",
+                               optimizers=torch.optim.SGD(model.parameters(), lr=0.1), save_folder="ck",
+                               loggers=[kiln.loggers.ConsoleLogger()], float8={float8!r}, progress_bar=False)
+        trainer.fit()
+        trainer.close()
+        print({LOADED})
+    """
+
+
+def test_a_plain_run_imports_no_optional_package_and_float8_imports_torchao(tmp_path):
+    loaded, _ = _run(_plain_run(float8=False), tmp_path)
+    assert loaded == ["torch"]
+    pytest.importorskip("torchao")
+    (tmp_path / "float8").mkdir()
+    loaded, _ = _run(_plain_run(float8={"emulate": True}), tmp_path / "float8")  # asked for: imported
+    assert "torchao" in loaded
+
+
+HF_RUN = f"""
+    import json, sys
+    import torch
+    import kiln
+
+    config = {{"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}}
+    model = kiln.models.HuggingFaceModel.from_config(config)
+    tokens = torch.randint(0, 32, (2, 8))
+    batches = [{{"input_ids": tokens, "labels": tokens}}] * 2
+    trainer = kiln.Trainer(model, train_dataloader=batches, eval_dataloader=batches, max_duration="2ba",
+                           optimizers=torch.optim.SGD(model.parameters(), lr=0.1), progress_bar=False)
+    trainer.fit()
+    trainer.eval()
+    print({LOADED})
+"""
+
+
+def test_a_hugging_face_run_prints_no_torchao_import_warnings(tmp_path):
+    pytest.importorskip("transformers")
+    loaded, err = _run(HF_RUN, tmp_path)
+    assert "transformers" in loaded
+    noise = [line for line in err.splitlines() if any(text in line for text in TORCHAO_IMPORT_NOISE)]
+    assert not noise, "\n".join(noise)
+
+
+def test_torchao_warnings_after_its_import_still_show(tmp_path):
+    pytest.importorskip("torchao")
+    code = """
+        import json, logging, sys
+        import kiln
+        import torchao  # quiet: kiln keeps its import-time warnings off
+        logging.getLogger("torchao").warning("a warning at use")
+        logging.getLogger("torchao").error("an error")
+        print(json.dumps(True))
+    """
+    _, err = _run(code, tmp_path)
+    assert "a warning at use" in err and "an error" in err
+    assert not any(text in err for text in TORCHAO_IMPORT_NOISE), err
