@@ -1,15 +1,27 @@
-"""The documentation site: it builds strictly, its Python code runs, and its home page renders.
+"""The documentation site: it builds strictly, its code runs as written, and its home page renders.
 
 * ``mkdocs build --strict`` (what ``make docs`` runs) into a temporary folder: a broken link, nav
   entry, anchor, snippet include or API reference fails it.
-* Every ```` ```python ```` block of every page runs, the blocks of a page in order in one namespace
-  that starts with ``import kiln, torch`` and ``from torch import nn`` (docs/index.md says so), in
-  a temporary working directory with the repository's root on ``sys.path``. Markers, on the line
-  right above a block:
+* Every ```` ```python ```` block of every page runs **alone, as a file**: in a fresh namespace
+  (``__name__ == "__main__"``), in a fresh temporary working directory, with the repository's root
+  and ``examples/`` on ``sys.path``. So a block carries its own imports and builds what it uses.
+  Markers, on the line right above a block:
   ``<!-- no-run: why -->`` compiles it only (for GPUs, several nodes, missing data; few);
-  ``<!-- run: kiln run -n N -->`` runs it as a script on N processes.
+  ``<!-- run: kiln run -n N -->`` runs it as a script on N processes;
+  ``<!-- continues: why -->`` marks a deliberate fragment: it runs in the namespace and working
+  directory the block above it left (a page's walk-through: save, then resume; few).
   A block titled ``"... (before)"`` is a peer framework's code in a migration guide (compiled
   only), and a block of ``--8<-- "path:section"`` lines includes a tested script's section.
+  Every block, run or compiled, is also checked for names it neither defines nor imports
+  (ruff's F821 over the block and the blocks it continues).
+* Every ```` ```yaml ```` block is read by kiln's config loader (``load_trainer_args``, what
+  ``kiln train`` reads before anything runs: fields, types, batch arithmetic, imports, constructor
+  arguments). ``<!-- yaml: on top of FILE -->`` marks an excerpt of a run file: it is merged onto
+  FILE first. An included file is loaded as it is; a peer's ``(before)`` file is not.
+* Every line of a ```` ```bash ```` / ```` ```sh ```` block that starts with ``kiln `` is parsed by
+  kiln's own parser (:func:`kiln.cli.main.parse_args`), shell variables replaced by
+  ``SHELL_VALUES``; a ``kiln train -f FILE`` or ``kiln plan -f FILE`` line also loads FILE with
+  its dotted overrides for its world size, and a script under ``examples/`` must exist.
 * The home page, served on 127.0.0.1, is screenshotted by headless Chromium and must show the
   theme's header bar and text. Skipped without ``/usr/bin/chromium`` unless ``KILN_TEST_REQUIRE``
   names ``chromium``; ``KILN_DOCS_SCREENSHOT=path`` keeps a copy of the screenshot.
@@ -17,90 +29,168 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
+import io
+import json
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
 import sys
 import threading
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from distributed import ROOT, check, kiln_run
 
 DOCS = ROOT / "docs"
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
-PRELUDE = "import kiln, torch\nfrom torch import nn\n"
 FENCE = re.compile(
     r"^(?P<indent>[ ]*)```(?P<lang>[\w-]*)(?P<info>[^\n]*)\n(?P<body>.*?)^(?P=indent)```[ ]*$", re.M | re.S
 )
 PEER = re.compile(r'title="[^"]*\(before\)"')  # a peer's code in a migration guide: compiled, not run
 INCLUDE = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<section>\w+))?"$')  # pymdownx.snippets
-NO_RUN = re.compile(r"<!--\s*no-run:\s*(?P<why>.*?)\s*-->\s*\Z")
-RUN_AS = re.compile(r"<!--\s*run:\s*kiln run -n (?P<n>\d+)\s*-->\s*\Z")  # a script for n processes
+MARKER = re.compile(r"<!--\s*(?P<kind>no-run|run|continues|yaml):\s*(?P<why>.*?)\s*-->\s*\Z")
+RUN_AS = re.compile(r"kiln run -n (?P<n>\d+)")  # <!-- run: kiln run -n N -->: a script for N processes
+YAML_BASE = re.compile(r"on top of (?P<path>\S+)")  # <!-- yaml: on top of examples/x.yaml -->
+PYTHON, YAML, SHELL = ("python", "py"), ("yaml", "yml"), ("bash", "sh", "shell")
 MAX_NO_RUN = 12  # blocks that need GPUs, several processes or several nodes; each says why
+MAX_CONTINUES = 8  # fragments of a walk-through; each says why
+SHELL_VALUES = {"NODE_RANK": "0"}  # what $VAR stands for when a documented command is parsed
 
 
 def _required(name: str) -> bool:
     return name in os.environ.get("KILN_TEST_REQUIRE", "").split(",")
 
 
-def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
-    """(line of the block's first code line, code, how to run it) of each python block.
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page: where it is, its language, its code and how it is tested."""
 
-    How: None (in the page's namespace), "no-run: why" (compile only), "processes: n" (a script
-    run by ``kiln run -n n``), "peer" (another framework's code: compile only) or "include: path"
-    (a file's section, included by pymdownx.snippets; the file is tested where it lives).
-    """
+    page: str
+    line: int  # the block's first code line, 1-based
+    lang: str
+    code: str
+    how: str | None  # python: None (runs alone), "continues: why", "no-run: why", "processes: n",
+    # "peer", "include: path:section ..."; yaml: None, "base: path", "peer", "include: path"
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def page_blocks(page: str, text: str) -> list[Block]:
+    """Every fenced block of ``text`` (indented ones too) with the marker on the line above it."""
     blocks = []
     for match in FENCE.finditer(text):
-        if match["lang"] not in ("python", "py"):
-            continue
         indent = len(match["indent"])
         code = "".join(line[indent:] + "\n" for line in match["body"].splitlines())
         before = text[: match.start()].rstrip("\n")
-        last = before.splitlines()[-1] if before else ""
-        skip, script = NO_RUN.search(last), RUN_AS.search(last)
-        how = f"no-run: {skip['why']}" if skip else f"processes: {script['n']}" if script else None
+        marker = MARKER.search(before.splitlines()[-1] if before else "")
+        how = None
+        if marker:
+            kind, why = marker["kind"], marker["why"]
+            if kind == "run":
+                run_as = RUN_AS.fullmatch(why)
+                how = f"processes: {run_as['n']}" if run_as else f"run: {why}"
+            elif kind == "yaml":
+                base = YAML_BASE.fullmatch(why)
+                how = f"base: {base['path']}" if base else f"yaml: {why}"
+            else:
+                how = f"{kind}: {why}"
         if PEER.search(match["info"]):
             how = "peer"
         lines = [line.strip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
         included = [INCLUDE.match(line) for line in lines]
         if included and all(included):
             how = "include: " + " ".join(f"{m['path']}:{m['section'] or ''}" for m in included if m)
-        blocks.append((text.count("\n", 0, match.start()) + 2, code, how))
+        line = text.count("\n", 0, match.start()) + 2
+        blocks.append(Block(page, line, match["lang"], code, how))
     return blocks
 
 
-def _all_blocks():
-    return [(page, *block) for page in PAGES for block in code_blocks((DOCS / page).read_text())]
+def code_blocks(text: str, langs: tuple[str, ...] = PYTHON, page: str = "") -> list[Block]:
+    return [b for b in page_blocks(page, text) if b.lang in langs]
 
 
-def test_code_block_extraction_finds_indented_blocks_and_markers():
+@functools.cache
+def _all_blocks() -> list[Block]:
+    return [b for page in PAGES for b in page_blocks(page, (DOCS / page).read_text())]
+
+
+def _chains() -> list[list[Block]]:
+    """The python blocks that run, each with the fragments that continue it."""
+    chains: list[list[Block]] = []
+    previous: Block | None = None
+    for block in _all_blocks():
+        if block.lang not in PYTHON:
+            continue
+        if block.how is not None and block.how.startswith("continues: "):
+            assert previous is not None and previous.page == block.page, f"{block.id} continues no block above it"
+            assert previous.how is None or previous.how.startswith("continues: "), (
+                f"{block.id} continues {previous.id}, which does not run ({previous.how})"
+            )
+            chains[-1].append(block)
+        elif block.how is None:
+            chains.append([block])
+        previous = block
+    return chains
+
+
+def test_block_extraction_finds_indented_blocks_languages_and_markers():
     text = "x\n<!-- no-run: needs GPUs -->\n```python\na = 1\n```\n\n* item\n\n    ```python\n    b = 2\n    ```\n"
-    assert code_blocks(text) == [(4, "a = 1\n", "no-run: needs GPUs"), (10, "b = 2\n", None)]
-    assert code_blocks("<!-- run: kiln run -n 2 -->\n```python\nc = 3\n```\n") == [(3, "c = 3\n", "processes: 2")]
+    assert code_blocks(text) == [
+        Block("", 4, "python", "a = 1\n", "no-run: needs GPUs"),
+        Block("", 10, "python", "b = 2\n", None),
+    ]
+    assert code_blocks("<!-- run: kiln run -n 2 -->\n```python\nc = 3\n```\n")[0].how == "processes: 2"
+    assert code_blocks("<!-- continues: the run above -->\n```py\nd\n```\n")[0].how == "continues: the run above"
     peer = '```python title="Composer (before)"\nimport composer\n```\n```python title="kiln (after)"\n--8<-- "a.py:s"\n```\n'
-    assert code_blocks(peer) == [(2, "import composer\n", "peer"), (5, '--8<-- "a.py:s"\n', "include: a.py:s")]
+    assert [b.how for b in code_blocks(peer)] == ["peer", "include: a.py:s"]
+    yaml_text = "<!-- yaml: on top of examples/mlp.yaml -->\n```yaml\nseed: 1\n```\n```bash\nkiln run -n 2 x.py\n```\n"
+    assert [(b.lang, b.how) for b in page_blocks("p", yaml_text)] == [
+        ("yaml", "base: examples/mlp.yaml"),
+        ("bash", None),
+    ]
 
 
-def test_no_run_blocks_are_few_and_say_why():
-    skipped = [(page, line, how) for page, line, _, how in _all_blocks() if how and how.startswith("no-run")]
-    assert all(how != "no-run: " for _, _, how in skipped), skipped
-    assert len(skipped) <= MAX_NO_RUN, f"{len(skipped)} blocks are not run: {skipped}"
+def test_markers_are_few_say_why_and_sit_on_a_block():
+    blocks = _all_blocks()
+    for kind, limit in (("no-run", MAX_NO_RUN), ("continues", MAX_CONTINUES)):
+        marked = [(b.id, b.how) for b in blocks if b.how and b.how.startswith(f"{kind}: ")]
+        assert all(how != f"{kind}: " for _, how in marked), f"a {kind} marker without a reason: {marked}"
+        assert len(marked) <= limit, f"{len(marked)} blocks are marked {kind}: {marked}"
+    unknown = [(b.id, b.how) for b in blocks if b.how and b.how.split(":")[0] in ("run", "yaml")]
+    assert not unknown, f"markers this test does not know: {unknown}"
     text = "\n".join((DOCS / page).read_text() for page in PAGES)
-    assert text.count("<!-- no-run:") == len(skipped), "a no-run marker must sit right above a python block"
+    markers = len(re.findall(r"<!--\s*(?:no-run|run|continues|yaml):", text))
+    assert markers == sum(
+        1 for b in blocks if b.how and b.how.split(":")[0] in ("no-run", "processes", "continues", "base")
+    )
+    assert markers, "no markers found: the marker pattern is wrong"
+    _chains()  # every fragment continues a block that runs
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks((DOCS / p).read_text())])
-def test_page_code_runs(page, tmp_path, monkeypatch, request):
+def _run_block(block: Block, namespace: dict, folder: Path) -> None:
+    path = folder / f"{Path(block.page).stem}_line{block.line}.py"
+    path.write_text(block.code)
+    namespace["__file__"] = str(path)
+    # the page's line numbers in tracebacks, and the page's name
+    exec(compile("\n" * (block.line - 1) + block.code, str(DOCS / block.page), "exec"), namespace)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("chain", _chains(), ids=lambda chain: chain[0].id)
+def test_python_block_runs_alone(chain, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
@@ -108,21 +198,151 @@ def test_page_code_runs(page, tmp_path, monkeypatch, request):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: threads only contend
     request.addfinalizer(lambda: torch.set_num_threads(threads))
-    namespace: dict = {"__name__": "__docs__"}
-    exec(compile(PRELUDE, "<prelude>", "exec"), namespace)
-    for line, code, how in code_blocks((DOCS / page).read_text()):
-        compiled = compile("\n" * (line - 1) + code, str(DOCS / page), "exec")  # tracebacks name the page line
-        if how is None:
-            exec(compiled, namespace)
-        elif how.startswith("include: "):
-            for spec in how.split()[1:]:
+    namespace: dict = {"__name__": "__main__"}  # one namespace for a block and the fragments continuing it
+    for block in chain:
+        _run_block(block, namespace, tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "block", [b for b in _all_blocks() if b.how and b.how.startswith("processes: ")], ids=lambda b: b.id
+)
+def test_python_script_block_runs_on_several_processes(block, tmp_path):
+    script = tmp_path / f"{Path(block.page).stem}_line{block.line}.py"
+    script.write_text("\n" * (block.line - 1) + block.code)
+    check(kiln_run(script, nproc=int(block.how.split()[-1]), cwd=tmp_path, timeout=240))
+
+
+def test_included_sections_exist():
+    for block in _all_blocks():
+        if block.how and block.how.startswith("include: "):
+            for spec in block.how.split()[1:]:
                 path, section = spec.split(":")
                 text = (ROOT / path).read_text()
-                assert not section or f"[start:{section}]" in text and f"[end:{section}]" in text, spec
-        elif how.startswith("processes: "):
-            script = tmp_path / f"{Path(page).stem}_line{line}.py"
-            script.write_text("\n" * (line - 1) + code)
-            check(kiln_run(script, nproc=int(how.split()[-1]), cwd=tmp_path, timeout=120))
+                assert not section or f"[start:{section}]" in text and f"[end:{section}]" in text, (block.id, spec)
+
+
+def test_python_blocks_name_nothing_they_do_not_define_or_import(tmp_path):
+    """ruff's undefined-name check over every python block (with the blocks it continues), the
+    compiled-only ones too: a missing import fails here even in a branch that does not run."""
+    try:
+        import ruff  # noqa: F401 -- only to know it is installed
+    except ImportError:
+        if _required("ruff"):
+            raise
+        pytest.skip("needs ruff (the dev extra)")
+    files: dict[str, list[Block]] = {}
+    pending: list[Block] = []
+    for block in _all_blocks():
+        if block.lang not in PYTHON or (block.how or "").startswith(("peer", "include")):
+            continue
+        if not (block.how or "").startswith("continues: "):
+            pending = []
+        pending = [*pending, block]
+        name = f"{block.page.replace('/', '__')[:-3]}_line{block.line}.py"
+        (tmp_path / name).write_text("".join(b.code for b in pending))
+        files[name] = pending
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "F821",
+         "--output-format", "json", "--target-version", "py310", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    missing: dict[str, set[str]] = {}
+    for d in json.loads(result.stdout):
+        missing.setdefault(files[Path(d["filename"]).name][-1].id, set()).add(d["message"].split("`")[1])
+    problems = [f"{where}: {', '.join(sorted(names))}" for where, names in sorted(missing.items())]
+    assert not problems, "blocks use names they neither import nor define:\n" + "\n".join(problems)
+    assert len(files) > 60  # every page's blocks were looked at
+
+
+# --- YAML blocks and kiln command lines --------------------------------------------------------------
+
+
+def _yaml_blocks() -> list[Block]:
+    return [b for b in _all_blocks() if b.lang in YAML and b.how != "peer"]
+
+
+def _merge(base: dict, part: dict) -> dict:
+    merged = dict(base)
+    for key, value in part.items():
+        merged[key] = (
+            _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
+    return merged
+
+
+def _load_run_file(config, overrides=(), world_size: int = 1):
+    """What ``kiln train`` reads first, for a world of ``world_size``; skips without an optional package."""
+    from kiln.config.args import load_trainer_args
+
+    try:
+        return load_trainer_args(config, list(overrides), world_size=world_size)
+    except ModuleNotFoundError as e:  # an optional package the run file names (transformers)
+        pytest.skip(f"needs {e.name}")
+
+
+@pytest.mark.parametrize("block", _yaml_blocks(), ids=lambda b: b.id)
+def test_yaml_block_is_a_run_file_kilns_loader_accepts(block, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # a run file's relative paths must not need (or create) anything here
+    monkeypatch.syspath_prepend(str(ROOT))
+    if block.how and block.how.startswith("include: "):
+        config = yaml.safe_load((ROOT / block.how.split()[1].split(":")[0]).read_text())
+    else:
+        config = yaml.safe_load(block.code)
+        if block.how and block.how.startswith("base: "):
+            config = _merge(yaml.safe_load((ROOT / block.how.split()[1]).read_text()), config)
+    cc = config.get("compute_config") or {}
+    world = cc.get("runtime_ngpus") or cc.get("plan_ngpus") or cc.get("tp", 1) * cc.get("pp", 1)  # what it is for
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = _load_run_file(config, world_size=world)
+    assert args.model.type, block.id
+    assert os.listdir(tmp_path) == [], "loading a run file wrote files"
+
+
+def _kiln_lines() -> list[tuple[Block, str]]:
+    lines = []
+    for block in _all_blocks():
+        if block.lang not in SHELL:
+            continue
+        joined = block.code.replace("\\\n", " ")  # continuation lines
+        lines += [(block, line.strip()) for line in joined.splitlines() if line.strip().startswith("kiln ")]
+    return lines
+
+
+def _shell_words(line: str) -> list[str]:
+    words = shlex.split(line, comments=True)
+    for i, word in enumerate(words):
+        for name in re.findall(r"\$\{?(\w+)\}?", word):
+            assert name in SHELL_VALUES, f"{line!r}: ${name} has no value in SHELL_VALUES"
+            word = re.sub(rf"\$\{{?{name}\}}?", SHELL_VALUES[name], word)
+        words[i] = word
+    return words[1:]
+
+
+@pytest.mark.parametrize("line", _kiln_lines(), ids=lambda item: f"{item[0].id}:{item[1][:60]}")
+def test_kiln_command_line_parses(line, monkeypatch):
+    from kiln.cli.main import parse_args
+
+    block, command = line
+    monkeypatch.chdir(ROOT)  # documented paths are relative to the repository's root
+    monkeypatch.syspath_prepend(str(ROOT))
+    argv = _shell_words(command)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            args = parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 0, f"{block.id}: `{command}` does not parse:\n{out.getvalue()}"
+        assert "usage: kiln" in out.getvalue()  # --help
+        return
+    assert args.command is not None, command
+    script = getattr(args, "script", None)
+    if script and script.startswith("examples/") and not getattr(args, "module", False):
+        assert (ROOT / script).is_file(), f"{block.id}: `{command}` runs {script}, which does not exist"
+    if args.command in ("train", "plan") and getattr(args, "file", None):
+        world = getattr(args, "world_size", None) or int(getattr(args, "nproc_per_node", None) or 1)
+        _load_run_file(args.file, getattr(args, "extra", ()), world_size=world)
 
 
 # --- the site -------------------------------------------------------------------------------------

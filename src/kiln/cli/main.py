@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_args"]
 
 # subcommand modules, each with add_parser(subparsers) that sets `func`
 _COMMANDS = ["kiln.cli.run"]
@@ -32,6 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``kiln ARGV`` parsed as :func:`main` parses it, without running the command.
+
+    The namespace's ``command`` names the subcommand (None when there is none) and ``func`` runs
+    it; a subcommand that takes further arguments (``kiln train``'s dotted overrides, ``kiln
+    run``'s script arguments) has them in ``extra``. Bad arguments exit with status 2 and
+    argparse's usage line, as on the command line; ``--help`` and ``--version`` exit with 0.
+
+    Example::
+
+        args = parse_args(["train", "-f", "run.yaml", "--optimizer.args.lr", "0.01"])
+        assert args.command == "train" and args.extra == ["--optimizer.args.lr", "0.01"]
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "accepts_extra", False):
+        args.extra = extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     # Components are named by dotted paths relative to the project (``examples.mlp_model.MLP``);
     # the console script's sys.path starts at its own folder, so add the working directory as
@@ -40,16 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
-    args, extra = parser.parse_known_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.command is None:
-        parser.print_help()
+        build_parser().print_help()
         return 2
-    if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if getattr(args, "accepts_extra", False):
-        args.extra = extra
     return int(args.func(args) or 0)
 
 
