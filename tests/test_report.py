@@ -157,9 +157,21 @@ def drawn(monkeypatch) -> dict[str, list[Curve]]:
     return figures
 
 
+# The memory figure of a run on CUDA: the allocator's allocated and reserved memory, current and
+# peak, in this order (its active and inactive memory and alloc_retries go to the page's table)
+CUDA_MEMORY = [
+    "memory/current_allocated_mem",
+    "memory/peak_allocated_mem",
+    "memory/current_reserved_mem",
+    "memory/peak_reserved_mem",
+]
+
+
 def _expected_curves(run) -> dict[str, list[str]]:
-    """CURVES, with the memory figure's keys: every memory/ metric the run logged (RSS on the CPU)."""
-    memory = sorted(key for key in run.series if key.startswith("memory/") and key != "memory/alloc_retries")
+    """CURVES, with the memory figure's keys: CUDA_MEMORY on a GPU, the process's RSS on the CPU."""
+    memory = [key for key in CUDA_MEMORY if key in run.series] or sorted(
+        key for key in run.series if key.startswith("memory/") and key != "memory/alloc_retries"
+    )
     assert memory, sorted(run.series)
     return {**CURVES, "memory": memory}
 
@@ -285,6 +297,37 @@ def test_two_runs_overlay(run_a, run_b, tmp_path, drawn):
             _assert_curve_is(curve, runs[name].series[key], stem)
     page = (out / "report.html").read_text()
     assert "kiln report: A, B (overlay)" in page
+
+
+def test_cuda_memory_is_drawn_and_its_peaks_summarised(tmp_path, drawn):
+    """A run's log with every series MemoryMonitor writes on CUDA (GB; alloc_retries a count)."""
+    steps = range(1, 7)
+    allocated = [2.0, 9.5, 4.0, 12.5, 3.0, 6.0]
+    reserved = [4.0, 11.0, 11.0, 14.0, 14.0, 14.0]
+    series = {
+        "memory/current_allocated_mem": allocated,
+        "memory/peak_allocated_mem": [max(allocated[:s]) for s in steps],
+        "memory/current_reserved_mem": reserved,
+        "memory/peak_reserved_mem": reserved,
+        "memory/current_active_mem": allocated,
+        "memory/peak_active_mem": [max(allocated[:s]) for s in steps],
+        "memory/current_inactive_mem": [0.5] * 6,
+        "memory/peak_inactive_mem": [0.75] * 6,
+        "memory/alloc_retries": [0.0, 0.0, 1.0, 1.0, 1.0, 2.0],
+    }
+    lines = [{"step": s, "metrics": {"train/loss": 1.0 / s, **{k: v[s - 1] for k, v in series.items()}}} for s in steps]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines))
+    out = tmp_path / "report"
+    assert _report(tmp_path / "metrics.jsonl", "--out", out) == 0
+    assert [curve.label for curve in drawn["memory"]] == CUDA_MEMORY
+    for m, curve in enumerate(drawn["memory"]):
+        assert curve.steps == list(map(float, steps)) and curve.values == series[CUDA_MEMORY[m]]
+        assert curve.colour == _rgb(PALETTE[m])
+    page = (out / "report.html").read_text()
+    assert "<th>peak memory (GB)</th>" in page and "<td>allocated 12.5, reserved 14</td>" in page
+    table = page.split("<h2>Other metrics</h2>")[1]
+    others = ["alloc_retries", "current_active_mem", "current_inactive_mem", "peak_active_mem", "peak_inactive_mem"]
+    assert re.findall(r"<td>memory/(\w+)</td>", table) == others
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def render_html(runs: Sequence[Run], figures: Sequence[Figure], unplotted: Seque
 def _summary(runs: Sequence[Run]) -> str:
     header = (
         "<tr><th>run</th><th>logs</th><th>last step</th><th>last train/loss</th><th>best eval/loss</th>"
-        "<th>checkpoints at step</th><th>resumes at step</th></tr>"
+        "<th>peak memory (GB)</th><th>checkpoints at step</th><th>resumes at step</th></tr>"
     )
     rows = []
     for i, run in enumerate(runs):
@@ -91,11 +91,30 @@ def _summary(runs: Sequence[Run]) -> str:
             f'<td class="num">{_number(run.last_step)}</td>'
             f'<td class="num">{_number(train.last) if train else "-"}</td>'
             f'<td class="num">{_number(min(evals.finite_values)) if evals and evals.finite_values else "-"}</td>'
+            f"<td>{_peak_memory(run)}</td>"
             f"<td>{_steps(run.checkpoints)}</td>"
             f"<td>{_steps(run.resumes)}</td>"
             "</tr>"
         )
     return f"<table>{header}{''.join(rows)}</table>"
+
+
+# MemoryMonitor's peaks: the CUDA allocator's (allocated, reserved), or the process's RSS on a CPU
+_PEAK_MEMORY = (
+    ("memory/peak_allocated_mem", "allocated"),
+    ("memory/peak_reserved_mem", "reserved"),
+    ("memory/peak_rss_mem", "RSS"),
+)
+
+
+def _peak_memory(run: Run) -> str:
+    """The highest peak of each kind the run logged, e.g. ``allocated 31.2, reserved 36``."""
+    peaks = []
+    for key, label in _PEAK_MEMORY:
+        series = run.series.get(key)
+        if series is not None and series.finite_values:
+            peaks.append(f"{label} {_number(max(series.finite_values))}")
+    return ", ".join(peaks) or "-"
 
 
 def _other_metrics(runs: Sequence[Run], keys: Sequence[str]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.report.runs import Run, Series
 
-__all__ = ["Panel", "Figure", "PALETTE", "panels_for", "draw_panels", "import_pyplot"]
+__all__ = ["Panel", "Figure", "PALETTE", "CUDA_MEMORY", "panels_for", "draw_panels", "import_pyplot"]
 
 # matplotlib's tab10, written out so that tests and captions can name the colours.
 PALETTE = [
@@ -73,6 +73,24 @@ def _is_loss(key: str) -> bool:
     return key.endswith("/loss")
 
 
+# MemoryMonitor's CUDA series on the memory panel, in this order: what the caching allocator has
+# handed out and what it holds from the driver, now and at their peaks. Its active and inactive
+# series (and alloc_retries, a count) go to the page's table of other metrics; the process's RSS
+# (on a CPU) is drawn as well.
+CUDA_MEMORY = (
+    "memory/current_allocated_mem",
+    "memory/peak_allocated_mem",
+    "memory/current_reserved_mem",
+    "memory/peak_reserved_mem",
+)
+_TABLE_MEMORY = ("memory/alloc_retries", "_active_mem", "_inactive_mem")
+
+
+def _memory(keys: list[str]) -> list[str]:
+    others = [k for k in keys if k.startswith("memory/") and k not in CUDA_MEMORY and not k.endswith(_TABLE_MEMORY)]
+    return [k for k in CUDA_MEMORY if k in keys] + others
+
+
 # (stem, title, y label, selector over the metric names present, scale, log y)
 _RULES: list[tuple[str, str, str, Callable[[list[str]], list[str]], float, bool]] = [
     # train/loss first (the first colour), then each evaluator's
@@ -125,14 +143,7 @@ _RULES: list[tuple[str, str, str, Callable[[list[str]], list[str]], float, bool]
         100.0,
         False,
     ),
-    (
-        "memory",
-        "Memory",
-        "GB",
-        lambda keys: [k for k in keys if k.startswith("memory/") and k != "memory/alloc_retries"],
-        1.0,
-        False,
-    ),
+    ("memory", "Memory", "GB", _memory, 1.0, False),
 ]
 
 
