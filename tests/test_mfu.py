@@ -178,14 +178,20 @@ def test_dtensor_ops_count_this_ranks_shard():
     "name, dtype, peak",
     [
         ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),
+        ("NVIDIA H100 80GB HBM3", torch.float16, 989.4e12),
         ("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn, 1978.9e12),
         ("NVIDIA H100 PCIe", torch.float16, 756.5e12),
         ("NVIDIA H200", torch.bfloat16, 989.4e12),
+        ("NVIDIA H200", torch.float16, 989.4e12),
+        ("NVIDIA H200", torch.float8_e4m3fn, 1978.9e12),
         ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("NVIDIA A100-SXM4-80GB", torch.float16, 312e12),
+        ("NVIDIA A100-PCIE-40GB", torch.bfloat16, 312e12),
         ("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn, None),  # no FP8 tensor cores
         ("NVIDIA L4", torch.float8_e4m3fn, 242.5e12),
         ("NVIDIA L40S", torch.bfloat16, 362e12),
         ("NVIDIA B200", torch.bfloat16, 2250e12),
+        ("NVIDIA B200", torch.float16, 2250e12),
         ("NVIDIA B200", torch.float8_e5m2, 4500e12),
         ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
     ],
@@ -198,6 +204,41 @@ def test_peak_table(monkeypatch, name, dtype, peak):
     assert ("TFLOP/s" in line) if peak else ("no peak" in line and "peak_flops_per_sec" in line)
     if device_family(name) is None:
         assert "unknown device" in line
+
+
+@pytest.mark.parametrize(
+    "name, given, mfu_peak",
+    [
+        ("NVIDIA H100 80GB HBM3", None, 989.4e12),  # the table's dense bf16 peak (amp_bf16 below)
+        ("NVIDIA GeForce RTX 4090", None, None),  # unknown: no MFU rather than one against a guess
+        ("NVIDIA GeForce RTX 4090", 165e12, 165e12),  # ... unless the user gives the peak
+    ],
+)
+def test_mfu_on_a_cuda_device_needs_its_peak(monkeypatch, name, given, mfu_peak):
+    from kiln.core.event import Event
+    from kiln.core.state import State
+    from kiln.loggers.logger import Logger
+
+    kiln.context()  # this process's (CPU) context, made before CUDA is faked: SpeedMonitor logs through it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    model = Stack()
+    model.flops_per_batch = 4e12
+    state = State(model, precision="amp_bf16", device=torch.device("cuda", 0))
+    rec = Recorder()
+    logger = Logger(rec, rank=0, state=state)
+    speed = SpeedMonitor(peak_flops_per_sec=given)
+    speed.run_event(Event.FIT_START, state, logger)
+    for _ in range(2):
+        state.timestamp.advance_batch(samples=BATCH, duration=0.5)
+        speed.run_event(Event.BATCH_END, state, logger)
+    last = rec.metrics[-1]
+    assert last["throughput/device/flops_per_sec"] == pytest.approx(8e12)  # 4e12 per batch, 2 per second
+    if mfu_peak is None:
+        assert "throughput/mfu" not in last
+        assert "unknown device" in speed.peak_note and "peak_flops_per_sec" in speed.peak_note
+    else:
+        assert last["throughput/mfu"] == pytest.approx(8e12 / mfu_peak)
 
 
 def test_every_family_has_bf16_or_fp16():
