@@ -143,6 +143,7 @@ def test_checkpointing_lowers_the_llamas_activations():
     assert full.saved < every_other.saved < plain.saved and full.peak < plain.peak
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["tiny_llama", "digits_cnn"])
 def test_estimate_against_cuda_max_memory_allocated(case):

@@ -177,12 +177,20 @@ def test_memory_monitor_reports_rss_on_cpu_every_interval():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_monitor_reports_cuda_allocator_stats():
     state, logger, rec = make(device=torch.device("cuda"))
-    keep = torch.empty(2**20, device="cuda")  # 4 MB allocated
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    keep = torch.empty(2**20, device="cuda")  # 4 MiB: a multiple of the allocator's 512-byte blocks
     train_batch([C.MemoryMonitor()], state, logger)
     report = rec.metrics[-1][0]
-    assert report["memory/current_allocated_mem"] >= 4e6 / 1e9
-    assert report["memory/peak_reserved_mem"] >= report["memory/current_allocated_mem"]
-    assert report["memory/alloc_retries"] >= 0
+    # The allocator's own numbers, in GB: nothing was allocated or freed since the monitor read them.
+    assert report["memory/current_allocated_mem"] * 1e9 == pytest.approx(before + 2**22, abs=1)
+    assert report["memory/current_allocated_mem"] * 1e9 == pytest.approx(torch.cuda.memory_allocated(), abs=1)
+    assert report["memory/peak_allocated_mem"] * 1e9 == pytest.approx(torch.cuda.max_memory_allocated(), abs=1)
+    assert report["memory/current_reserved_mem"] * 1e9 == pytest.approx(torch.cuda.memory_reserved(), abs=1)
+    assert report["memory/peak_reserved_mem"] * 1e9 == pytest.approx(torch.cuda.max_memory_reserved(), abs=1)
+    assert report["memory/peak_allocated_mem"] * 1e9 == pytest.approx(before + 2**22, abs=1)  # peak reset above
+    assert report["memory/alloc_retries"] == torch.cuda.memory_stats()["num_alloc_retries"]
     del keep
 
 
