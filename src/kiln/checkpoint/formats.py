@@ -38,11 +38,13 @@ from kiln.checkpoint.serialization import (
     read_dcp_metadata,
     safe_torch_load,
 )
+from kiln.checkpoint.staging import staging_buffers_for
 from kiln.checkpoint.state import (
     load_model_optimizer_state,
     model_optimizer_state,
     restore_training_state,
     serialize_training_state,
+    training_objects,
 )
 from kiln.checkpoint.storage import as_path, storage_of
 
@@ -123,7 +125,18 @@ def write_checkpoint_files(
     writer, planner = dcp_writer_and_planner(folder, save_type)
     record_writes(writer, log)
     if asynchronous:
-        future = async_save(tensors, storage_writer=writer, planner=planner, process_group=group, no_dist=world == 1)
+        # Staged into host buffers this model's earlier saves used (pinned for GPU tensors);
+        # they go back to the pool when the write is done (kiln.checkpoint.staging).
+        buffers = staging_buffers_for(training_objects(state)[0])
+        future = async_save(
+            tensors,
+            storage_writer=writer,
+            planner=planner,
+            process_group=group,
+            no_dist=world == 1,
+            async_stager=buffers,
+        )
+        buffers.release_when_done(future)
         return future, log
     try:
         save(tensors, storage_writer=writer, planner=planner, no_dist=world == 1)
