@@ -19,6 +19,8 @@ def test_single_node_uses_standalone_rendezvous():
         "--nnodes=1",
         "--max-restarts=0",
         "--standalone",
+        "--module",
+        "kiln.launch.worker",  # kiln's worker bootstrap runs the script (parent-death signal, failure reports)
         "train.py",
         "--lr",
         "0.1",
@@ -48,7 +50,19 @@ def test_multi_node_options_pass_through():
         "--rdzv-endpoint=host:29400",
         "--rdzv-backend=c10d",
         "--node-rank=1",
+        "--module",
+        "kiln.launch.worker",
         "train.py",
+    ]
+
+
+def test_a_module_runs_through_the_worker_bootstrap_too():
+    assert torchrun_args(_args("-n", "2", "-m", "pkg.train", "--x"))[-5:] == [
+        "--module",
+        "kiln.launch.worker",
+        "-m",
+        "pkg.train",
+        "--x",
     ]
 
 

@@ -1,17 +1,33 @@
 """`kiln run -n N [torchrun options] script.py [args]`: torch.distributed.run underneath.
 
-kiln spawns nothing itself: it translates its short form into torchrun's arguments and calls
-torchrun's own entry point in this process, so elastic restarts, rendezvous and signal handling
-are torch's.
+kiln spawns nothing itself: it translates its short form into torchrun's arguments and runs
+torchrun's agent in this process, so elastic restarts, rendezvous and signal handling are torch's.
+Each worker is ``python -m kiln.launch.worker script.py args`` (:mod:`kiln.launch.worker`), which
+runs the script unchanged after arming what torchrun lacks:
+
+* Stopping. Every worker dies with this process, whatever ends it (SIGKILL included: the
+  parent-death signal). Ctrl-C reaches every worker through torchrun, which waits for them; the
+  workers print nothing and this process prints one line and exits 130 (128 + the signal).
+* Failures. Each failed worker leaves a report (:mod:`kiln.launch.failures`), and the summary
+  line names the rank that failed on its own first, with its exception, message and ``file:line``;
+  ranks that only lost their peer are said to, never blamed, and in a multi-node job the
+  surviving node says which node went away. torch's own lines that the summary replaces
+  (closing signals, "failed (exitcode ...)") are left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
 
 __all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
+
+WORKER_MODULE = "kiln.launch.worker"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -89,15 +105,13 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             out.append(f"--{flag.replace('_', '-')}={value}")
-    if args.module:
-        out.append("--module")
+    # every worker starts in kiln's bootstrap, which runs the script (or module) unchanged
+    out += ["--module", WORKER_MODULE, *(["-m"] if args.module else [])]
     return [*out, args.script, *args.script_args]
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from torch.distributed.run import main as torchrun_main
 
     if not args.module and not Path(args.script).is_file():
         print(
@@ -115,36 +129,102 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kiln run: {exc}", file=sys.stderr)
         return 2
+    from kiln.launch.parent_death import PARENT_PID_ENV
+
+    os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers' parent: see kiln.launch.parent_death
+    _quiet_replaced_torch_lines()
+    if args.log_dir is not None or args.redirects is not None or args.tee is not None:
+        return _launch(argv, None, _single_node(args))  # the user's folder: left as torchrun leaves it
+    # A log folder of our own: the workers' error files are found there even when torchrun's agent
+    # ends on another error, and it is removed afterwards (torch leaves a torchelastic_* folder).
+    log_dir = tempfile.mkdtemp(prefix="kiln-run-")
     try:
-        torchrun_main(argv)
+        return _launch(
+            torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir})), log_dir, _single_node(args)
+        )
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _single_node(args: argparse.Namespace) -> bool:
+    return str(args.nnodes) in ("1", "1:1")
+
+
+def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
+    """torchrun's agent in this process; the exit status, after one line on failure or a signal."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    from kiln.launch.failures import find_reports, print_line, summarize_reports
+
+    try:
+        # torchrun's run(), not its @record main(): that would log the failing rank's error file
+        # (its whole traceback) once more
+        torchrun(parse_args(argv))
     except SystemExit as exc:  # torchrun exits with the workers' status
         return int(exc.code or 0)
-    except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
-        print(f"kiln run: {describe_failure(exc)}", file=sys.stderr)
+    except SignalException as exc:  # torchrun forwarded the signal and waited for every worker
+        name = exc.sigval.name + (" (Ctrl-C)" if exc.sigval == signal.SIGINT else "")
+        print_line(f"kiln run: stopped by {name}; every worker has ended")
+        return 128 + int(exc.sigval)
+    except Exception as exc:  # noqa: BLE001 - one line, not torch's traceback
+        # A worker failed (ChildFailedError), possibly hidden behind the error of the rendezvous
+        # shutdown that followed it; or the agent ended on another error (the node hosting the
+        # rendezvous store went away) after stopping workers that left their reports.
+        failed = next((e for e in _chain(exc) if isinstance(e, ChildFailedError)), None)
+        line = describe_failure(failed, single_node) if failed is not None else None
+        if line is None and log_dir is not None:
+            line = summarize_reports(find_reports(log_dir), single_node)
+        if line is None and os.environ.get("KILN_DEBUG") == "1":
+            raise
+        print_line(f"kiln run: {line or describe_failure(exc) + ' (KILN_DEBUG=1 shows the traceback)'}")
         return 1
     return 0
 
 
-def describe_failure(exc: BaseException) -> str:
-    """One line naming the rank that failed first and how, from torchrun's ``ChildFailedError``."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    error: BaseException | None = exc
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def describe_failure(exc: BaseException, single_node: bool = False) -> str:
+    """One line naming the rank that failed first and how, from torchrun's ``ChildFailedError``
+    (see :func:`kiln.launch.failures.summarize`); other errors as ``Type: message (cause)``."""
+    from kiln.launch.failures import summarize
+
     failures = getattr(exc, "failures", None)
-    if not failures:
-        return f"{type(exc).__name__}: {exc}"
-    # torchrun stops the surviving ranks with SIGTERM once one fails: those are not the cause
-    stopped = lambda f: f.exitcode == -signal.SIGTERM  # noqa: E731
-    first_rank, first = min(failures.items(), key=lambda item: (stopped(item[1]), item[1].timestamp, item[0]))
-    line = f"rank {first_rank} (local rank {first.local_rank}, pid {first.pid}) failed first: {_how(first)}"
-    others = [
-        f"rank {rank} ({'stopped by torchrun' if stopped(f) else _how(f)})"
-        for rank, f in sorted(failures.items())
-        if rank != first_rank
-    ]
-    if others:
-        line += "; then " + ", ".join(others)
-    return line + ("; its traceback is above" if first.exitcode > 0 else "")
+    if failures:
+        return summarize(failures, single_node=single_node)
+    line = _first_line(exc)
+    return line if exc.__cause__ is None else f"{line} ({_first_line(exc.__cause__)})"
 
 
-def _how(failure) -> str:
-    if failure.exitcode < 0:
-        return f"killed by {failure.signal_name()}"
-    return f"exit code {failure.exitcode}"
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+# Lines of torch's elastic agent that the summary line replaces (by their format strings).
+_REPLACED = (
+    "Sending process %s closing signal %s",
+    "Received %s death signal, shutting down workers",
+    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+)
+
+
+class _Replaced(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in _REPLACED
+
+
+def _quiet_replaced_torch_lines() -> None:
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Replaced) for f in logger.filters):
+            logger.addFilter(_Replaced())

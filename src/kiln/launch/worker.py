@@ -1,0 +1,168 @@
+"""What ``kiln run`` starts in each worker: ``python -m kiln.launch.worker [-m] TARGET [ARGS ...]``.
+
+Before the script's first line, three things, then the script exactly as ``python TARGET ARGS``
+(or ``python -m TARGET ARGS``) would run it: its own ``__main__`` module, ``sys.argv``, and the
+script's folder first on ``sys.path``.
+
+1. The parent-death signal (:mod:`kiln.launch.parent_death`): the worker dies with ``kiln run``,
+   even when that is killed with SIGKILL.
+2. Ctrl-C: ``kiln run`` forwards SIGINT to every worker (torchrun does). The worker raises
+   ``KeyboardInterrupt`` in the script as Python would, and from then on prints nothing: no
+   traceback, and no second one from a collective that failed because a peer stopped first. The
+   launcher prints the one line. A SIGINT that arrives while the process is already ending (in
+   ``sys.excepthook``, in ``atexit``) is recorded, not raised, so it cannot interrupt the report.
+3. The failure report (:mod:`kiln.launch.failures`): an uncaught exception is written to
+   torchrun's error file for the launcher's summary before anything is printed (a SIGTERM from
+   torchrun in the meantime waits for it), then its traceback is printed when the rank failed on
+   its own. A rank that only lost its peer (or was interrupted) prints nothing: the launcher's line
+   says it, and the crash's traceback stays the only one on screen (``KILN_DEBUG=1`` prints all).
+
+Tracebacks start at the script: the frames of this module and of runpy are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from kiln.launch import failures, parent_death
+
+__all__ = ["install", "main", "run_target"]
+
+_interrupted = False
+_previous_hook: Any = sys.__excepthook__
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv == ["-m"]:
+        raise SystemExit("usage: python -m kiln.launch.worker [-m] TARGET [ARGS ...]")
+    parent_death.arm()
+    install()
+    module = argv[0] == "-m"
+    run_target(argv[1 if module else 0], argv[2 if module else 1 :], module=module)
+
+
+def install() -> None:
+    """The SIGINT handler and the failure-reporting ``sys.excepthook`` (once, main thread only)."""
+    global _previous_hook
+    if sys.excepthook is _excepthook or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_interrupt)
+    _previous_hook = sys.excepthook
+    sys.excepthook = _excepthook
+
+
+def run_target(target: str, args: list[str], module: bool = False) -> None:
+    """Run ``target`` (a path, or a module with ``module=True``) as ``__main__`` with ``sys.argv[1:] = args``."""
+    main_module = types.ModuleType("__main__")
+    if module:
+        spec = importlib.util.find_spec(target)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{target}.__main__")
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"{sys.executable}: No module named {target}")
+        code = spec.loader.get_code(spec.name)  # type: ignore[attr-defined]  # source and sourceless loaders
+        main_module.__spec__ = spec
+        main_module.__file__ = spec.origin
+        main_module.__loader__ = spec.loader
+        main_module.__package__ = spec.parent
+        sys.argv = [spec.origin or target, *args]
+    else:
+        path = os.path.abspath(target)
+        with open(path, "rb") as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+        main_module.__file__ = path
+        main_module.__package__ = None
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.realpath(path))  # python puts the script's folder first
+    main_module.__builtins__ = __builtins__  # type: ignore[attr-defined]
+    # Stays installed after the script: pickles of its classes and multiprocessing's spawn find it.
+    sys.modules["__main__"] = main_module
+    _run(code, main_module.__dict__)
+
+
+def _run(code: types.CodeType, namespace: dict[str, Any]) -> None:
+    exec(code, namespace)  # the frame _inside_script() looks for
+
+
+def _inside_script(frame: types.FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code is _run.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_interrupt(signum: int, frame: types.FrameType | None) -> None:
+    global _interrupted
+    _interrupted = True
+    if _inside_script(frame):
+        raise KeyboardInterrupt
+    # else: the process is already ending (excepthook, atexit): let it finish quietly
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+    tb = _script_frames(tb)
+    value.__traceback__ = tb  # Python's hook prints the exception's own traceback, not its tb argument
+    try:
+        with _sigterm_deferred():
+            report = failures.describe(value, tb, interrupted=_interrupted)
+            text = "".join(traceback.format_exception(kind, value, tb))
+            failures.write(report, text)
+            if report.kind == "error":
+                failures.publish(report)  # before this process exits and its peers notice
+            elif report.kind == "lost_peer":
+                report.peer = failures.read_peer_failure(report.rank)
+                failures.write(report, text)
+    except Exception as exc:  # noqa: BLE001 - the report must never hide the error itself
+        report = None
+        failures.print_line(f"kiln: could not write the failure report: {type(exc).__name__}: {exc}")
+    quiet = report is not None and report.kind in ("interrupted", "lost_peer") and os.environ.get("KILN_DEBUG") != "1"
+    if not quiet:  # Ctrl-C, or a peer that vanished: the launcher's summary line says it, once
+        _previous_hook(kind, value, tb)
+
+
+def _script_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without its leading frames of this module and runpy (all of it if nothing is left)."""
+    start = tb
+    while start is not None and _is_bootstrap(start.tb_frame.f_code.co_filename):
+        start = start.tb_next
+    return start if start is not None else tb
+
+
+def _is_bootstrap(filename: str) -> bool:
+    return filename == __file__ or "runpy" in os.path.basename(filename)
+
+
+@contextlib.contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """Hold a SIGTERM (torchrun stopping this rank after a peer failed) until the report is written."""
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            if previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif callable(previous):
+                previous(signal.SIGTERM, None)
+
+
+if __name__ == "__main__":
+    main()
