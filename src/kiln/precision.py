@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.core.names import did_you_mean
+
 __all__ = ["AMP_TYPE", "DTYPES", "Precision", "PRECISIONS", "TENSOR_TYPES", "get_precision", "precision_from_config"]
 
 # The one home of these names: the config layer, the checkpoint tools and the CLI builder read them here.
@@ -155,7 +157,10 @@ def _dtype(value: Any, key: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     if value not in DTYPES:
-        raise ValueError(f"precision[{key!r}]={value!r} is not a dtype name; expected one of fp32, bf16, fp16")
+        raise ValueError(
+            f"precision[{key!r}]={value!r} is not a dtype name; expected one of fp32, bf16, fp16"
+            + did_you_mean(value, DTYPES)
+        )
     return DTYPES[value]
 
 
@@ -166,10 +171,11 @@ def get_precision(spec: str | Mapping[str, Any] | Precision | None) -> Precision
     if spec is None:
         spec = "fp32"
     if isinstance(spec, Mapping):
-        unknown = set(spec) - set(TENSOR_TYPES)
+        unknown = sorted(set(spec) - set(TENSOR_TYPES))
         if unknown:
             raise ValueError(
-                f"precision has unknown tensor types {sorted(unknown)}; expected keys among {list(TENSOR_TYPES)}"
+                f"precision has unknown tensor types {unknown}; expected keys among {list(TENSOR_TYPES)}"
+                + did_you_mean(unknown[0], TENSOR_TYPES)
             )
         dtypes = {k: _dtype(v, k) for k, v in spec.items()}
         param = dtypes.get("param", torch.float32)
@@ -186,7 +192,7 @@ def get_precision(spec: str | Mapping[str, Any] | Precision | None) -> Precision
         return Precision(name, **_NAMED[name])
     raise ValueError(
         f"precision={spec!r} is not known; expected one of {', '.join(PRECISIONS)} "
-        f"or a dict of {{param, buffer, input}} dtypes"
+        f"or a dict of {{param, buffer, input}} dtypes{did_you_mean(name, [*PRECISIONS, *_ALIASES])}"
     )
 
 

@@ -11,8 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kiln.config.overrides import ConfigError, close_match, format_error
+from kiln.config.overrides import ConfigError, format_error
 from kiln.config.types import check_fields
+from kiln.core.names import did_you_mean
 from kiln.core.paths import is_url
 
 __all__ = [
@@ -304,8 +305,7 @@ class LogConfig:
         if "." not in self.type:
             name = self.type.lower().removesuffix("logger")
             if name not in _BUILTIN_LOGGERS:
-                match = close_match(name, _BUILTIN_LOGGERS)
-                hint = f" (did you mean {match!r}?)" if match else ""
+                hint = did_you_mean(name, _BUILTIN_LOGGERS)
                 raise ConfigError(
                     format_error(
                         "type", self.type, "one of " + ", ".join(_BUILTIN_LOGGERS) + " or a fully qualified class name"

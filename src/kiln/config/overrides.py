@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import difflib
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kiln.core.names import close_match, did_you_mean
 
 __all__ = [
     "ConfigError",
@@ -76,17 +77,6 @@ def format_error(path: str, value: Any, expected: str) -> str:
     """The standard one-line message: ``"<path>: got <value> (<type>), expected <expected>"``."""
     where = path or "config"
     return f"{where}: got {_short_repr(value)} ({type(value).__name__}), expected {expected}"
-
-
-def close_match(name: str, candidates: Iterable[Any]) -> str | None:
-    """The candidate closest to a misspelt ``name`` (difflib), or ``None`` if none is close."""
-    matches = difflib.get_close_matches(str(name), [str(c) for c in candidates], n=1)
-    return matches[0] if matches else None
-
-
-def _did_you_mean(name: str, candidates: Iterable[Any]) -> str:
-    match = close_match(name, candidates)
-    return f" (did you mean {match!r}?)" if match else ""
 
 
 # ----------------------------------------------------------------------------- files and argv
@@ -252,7 +242,7 @@ def _step(node: Any, segment: str, parents: list[Any]) -> Any:
     if isinstance(node, Mapping):
         key = _dict_key(node, segment)
         if key is _MISSING:
-            raise ConfigError(f"{here}: unknown key {segment!r} in {parent}{_did_you_mean(segment, node)}", path=here)
+            raise ConfigError(f"{here}: unknown key {segment!r} in {parent}{did_you_mean(segment, node)}", path=here)
         return key
     if isinstance(node, list):
         return _list_index(node, segment, here, parent, append=False)

@@ -21,6 +21,7 @@ from functools import cache
 from typing import Any, Literal, TypeGuard, Union
 
 from kiln.config.overrides import ConfigError, close_match, format_error
+from kiln.core.names import did_you_mean
 
 __all__ = [
     "annotation_at",
@@ -141,8 +142,7 @@ def coerce(value: Any, annotation: Any, path: str) -> Any:
     if origin is Literal:
         if value in args and isinstance(value, type(args[0])):
             return value
-        match = close_match(value, args) if isinstance(value, str) else None
-        hint = f" (did you mean {match!r}?)" if match else ""
+        hint = did_you_mean(value, args) if isinstance(value, str) else ""
         raise ConfigError(format_error(path, value, _expected(annotation)) + hint, path=path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
@@ -192,8 +192,7 @@ def build_dataclass(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     for key in data:
         if key not in names:
             where = f"{path}.{key}" if path else str(key)
-            match = close_match(key, names)
-            hint = f" (did you mean {match!r}?)" if match else ""
+            hint = did_you_mean(key, names)
             raise ConfigError(f"{where}: unknown key {key!r}{hint}; {cls.__name__} has no such field", path=where)
     try:
         return cls(**data)

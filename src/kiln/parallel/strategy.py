@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kiln.core.names import did_you_mean
 from kiln.parallel import parallelize as _steps
 from kiln.parallel.parallelize import ParallelizeOptions, ParallelizePlan, find_blocks, parallelize
 
@@ -268,7 +269,10 @@ def get_strategy(spec: str | Strategy | None, ctx: Context | None = None, **opti
         if (ctx or context()).world_size == 1 and not options:
             name = "single"  # one rank: nothing to plan
     if name not in _BUILTIN and name not in _REGISTERED:
-        raise ValueError(f"strategy={spec!r} is not known; expected one of {', '.join(strategy_names())}")
+        names = strategy_names()
+        raise ValueError(
+            f"strategy={spec!r} is not known; expected one of {', '.join(names)}{did_you_mean(name, names)}"
+        )
     cls = _lookup(name)
     try:
         return cls(**options)

@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.core.batch import num_samples, split_batch
 from kiln.core.model import Model
+from kiln.core.names import did_you_mean
 from kiln.engine import Engine
 from kiln.launch.context import Context, resolve_device
 from kiln.trainer.options import LeverOptions, MicrobatchOptions
@@ -124,6 +125,17 @@ def _single_optimizer(optimizers: Any) -> torch.optim.Optimizer | None:
         return None
     if isinstance(optimizers, torch.optim.Optimizer):
         return optimizers
+    if isinstance(optimizers, str):  # a name, where the YAML's optimizer.type would take one
+        names = [
+            n
+            for n, c in vars(torch.optim).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+        ]
+        raise ValueError(
+            f"optimizers={optimizers!r} is a name, not an optimizer; pass one built on the model's "
+            "parameters, e.g. torch.optim.AdamW(model.parameters())"
+            + did_you_mean(optimizers.removeprefix("torch.optim."), names, fold_case=True, prefix="torch.optim.")
+        )
     optimizers = list(optimizers)
     if len(optimizers) != 1:
         raise ValueError(f"optimizers has {len(optimizers)} optimizers; kiln trains with exactly one")
