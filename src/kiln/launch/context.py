@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
-from kiln.launch.environments import LaunchError, from_openmpi, from_slurm, from_torchrun
+from kiln.launch.environments import LaunchError, from_openmpi, from_slurm, from_torchrun, slurm_address
 from kiln.launch.teardown import register_teardown
 
 __all__ = [
@@ -81,6 +81,7 @@ class Context:
 
 
 _CURRENT: Context | None = None
+_LAUNCHED = False  # whether _CURRENT came from a launch* call (which wins over joining by itself)
 
 
 def context() -> Context:
@@ -98,9 +99,14 @@ def context() -> Context:
     return _CURRENT
 
 
-def _set_context(ctx: Context | None) -> None:
-    global _CURRENT
-    _CURRENT = ctx
+def _set_context(ctx: Context | None, launched: bool = False) -> None:
+    global _CURRENT, _LAUNCHED
+    _CURRENT, _LAUNCHED = ctx, launched and ctx is not None
+
+
+def launched() -> bool:
+    """Whether a ``launch*`` call made the current context (rather than a default world of 1)."""
+    return _LAUNCHED
 
 
 def _device_for(local_rank: int) -> torch.device:
@@ -226,7 +232,7 @@ def launch(
         # The store the group was made with (a private accessor: torch has no public one).
         heartbeat.start(dist.distributed_c10d._get_default_store(), rank, world_size, wait.total_seconds())
     ctx = Context(rank, world_size, local_rank, device, cfg, used_backend)
-    _set_context(ctx)
+    _set_context(ctx, launched=True)
     if seed is None:
         seed = cfg.get("seed")
     if seed is not None:
@@ -283,9 +289,15 @@ def launch_from_slurm(
 ) -> Context:
     """Launch from SLURM's variables: SLURM_PROCID, SLURM_NTASKS (or SLURM_NPROCS), SLURM_LOCALID.
 
+    Rank 0's address is ``host=``/``port=``, else ``MASTER_ADDR``/``MASTER_PORT``, else derived
+    from the step: its first node (where SLURM places task 0) and a port computed from
+    ``SLURM_JOB_ID`` and the step id (:func:`kiln.launch.environments.slurm_address`).
     ``timeout``: seconds or a ``datetime.timedelta`` (see :func:`launch`)."""
     wait = _timeout(timeout)
     rank, world, local = from_slurm()
+    derived_host, derived_port = slurm_address()
+    host = host or os.environ.get("MASTER_ADDR") or derived_host
+    port = port or os.environ.get("MASTER_PORT") or derived_port
     host, port = _require_address(host, port, "launch_from_slurm")
     return launch(config, rank, world, host, port, backend, local, seed, timeout=wait)
 
@@ -307,11 +319,21 @@ def launch_from_openmpi(
     return launch(config, rank, world, host, port, backend, local, seed, timeout=wait)
 
 
+_ADDRESS_HINT = {
+    "launch_from_slurm": " (or SLURM_STEP_NODELIST and SLURM_JOB_ID, which srun sets, to derive them)",
+    "launch_from_openmpi": " (e.g. mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500)",
+}
+
+
 def _require_address(host: str | None, port: int | str | None, fn: str) -> tuple[str, int | str]:
     host = host or os.environ.get("MASTER_ADDR")
     port = port or os.environ.get("MASTER_PORT")
     if not host or not port:
-        raise LaunchError(f"{fn} needs host= and port= (the address of rank 0), or MASTER_ADDR and MASTER_PORT set")
+        missing = " and ".join(n for n, v in (("MASTER_ADDR", host), ("MASTER_PORT", port)) if not v)
+        raise LaunchError(
+            f"{fn} needs host= and port= (the address of rank 0), or MASTER_ADDR and MASTER_PORT set; "
+            f"{missing} is not set{_ADDRESS_HINT.get(fn, '')}"
+        )
     return host, port
 
 
