@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln.core.callback import Algorithm
 from kiln.core.event import Event
+from kiln.core.warn import KilnWarning
 
 if TYPE_CHECKING:
     from kiln.core.state import State
@@ -80,6 +81,7 @@ class LowPrecisionLayerNorm(Algorithm):
             warnings.warn(
                 f"LowPrecisionLayerNorm does nothing under precision {state.precision!r}: it needs autocast "
                 "(precision='amp_bf16' or 'amp_fp16')",
+                KilnWarning,
                 stacklevel=2,
             )
             return

@@ -47,6 +47,7 @@ from kiln.checkpoint.state import (
     training_objects,
 )
 from kiln.checkpoint.storage import as_path, storage_of
+from kiln.core.warn import KilnWarning
 
 __all__ = [
     "SAVE_TYPES",
@@ -263,6 +264,7 @@ def read_checkpoint_files(
         warnings.warn(
             f"{path} was saved by {saved_world} rank(s) and is loaded by {world}; RNG states are not "
             "restored, so the resumed run is not bit-exact",
+            KilnWarning,
             stacklevel=3,
         )
     _guarded(

@@ -41,6 +41,7 @@ from kiln.checkpoint.storage import (
     storage_of,
     temporary_name,
 )
+from kiln.core.warn import KilnWarning
 
 __all__ = [
     "check_num_checkpoints_to_keep",
@@ -321,6 +322,7 @@ def resolve_checkpoint(
         if latest is not None:
             warnings.warn(
                 f"{path} is missing or incomplete; using the most recently saved complete checkpoint {latest}",
+                KilnWarning,
                 stacklevel=2,
             )
             return latest.resolve()

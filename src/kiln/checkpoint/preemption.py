@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.checkpoint import collectives
+from kiln.core.warn import KilnWarning
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler"]
 
@@ -107,5 +108,7 @@ class PreemptionHandler:
             try:
                 subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
             except (OSError, subprocess.SubprocessError) as exc:
-                warnings.warn(f"could not requeue SLURM job {os.environ['SLURM_JOB_ID']}: {exc}", stacklevel=2)
+                warnings.warn(
+                    f"could not requeue SLURM job {os.environ['SLURM_JOB_ID']}: {exc}", KilnWarning, stacklevel=2
+                )
         raise Preempted(self.signal_name)

@@ -28,6 +28,7 @@ import torch
 
 from kiln.checkpoint.errors import CheckpointError
 from kiln.checkpoint.serialization import check_loadable
+from kiln.core.warn import KilnWarning
 from kiln.launch.loader import ResumableLoader
 from kiln.launch.rng import rng_state, set_rng_state
 
@@ -114,6 +115,7 @@ def collect_training_state(state: Any) -> dict[str, Any]:
             f"checkpoint taken after micro-step {engine.micro_step} of {engine.gradient_accumulation}: the "
             "gradients accumulated so far are not saved, so a resume redoes this optimizer step without "
             "them; save at accumulation boundaries (after engine.step() returned True)",
+            KilnWarning,
             stacklevel=4,
         )
     scaler = getattr(engine, "scaler", None)
@@ -173,7 +175,9 @@ def restore_training_state(
             if key in stored:
                 obj.load_state_dict(stored[key])
             elif type(obj).state_dict is not _base_state_dict(kind):
-                warnings.warn(f"{source} has no state for {kind[:-1]} {key}; it starts fresh", stacklevel=3)
+                warnings.warn(
+                    f"{source} has no state for {kind[:-1]} {key}; it starts fresh", KilnWarning, stacklevel=3
+                )
     if restore_rng:
         set_rng_state(saved["rng"])
     _restore_loader(state, saved, restore_rng, same_world)

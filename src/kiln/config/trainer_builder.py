@@ -41,6 +41,7 @@ from kiln.config.hooks import HookCallback, TrainHook, hook_from_functions
 from kiln.config.reduction import GradReduction, as_end_to_end
 from kiln.core.event import Event
 from kiln.core.model import Model
+from kiln.core.warn import KilnWarning
 from kiln.launch.context import context, seed_everything
 from kiln.precision import DTYPES, TENSOR_TYPES, Precision
 
@@ -196,6 +197,7 @@ def _load_path(args: TrainerArgs) -> str | None:
             warnings.warn(
                 f"checkpoint.resume_from: {ckpt.resume_from!r} does not exist in {ckpt.save_dir!r}; "
                 "training starts from scratch",
+                KilnWarning,
                 stacklevel=2,
             )
         return None

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
+from kiln.core.warn import KilnWarning
 from kiln.launch.context import context
 from kiln.launch.rng import rng_state, set_rng_state
 
@@ -208,6 +209,7 @@ class ResumableLoader:
             f"continuing epoch {self.epoch} at batch {num_batches}: the {what} cannot start mid-epoch, so it "
             f"fetches the {num_batches} batches{samples} before it again and discards them; to continue "
             f"without replay, {fix}",
+            KilnWarning,
             stacklevel=3,
         )
 
@@ -298,6 +300,7 @@ class ResumableLoader:
                 f"this is rank {ctx.rank} of {ctx.world_size}: a rank's stream state cannot be dealt to "
                 "another rank, so the epoch's start is fetched again; resume on the same world size (or "
                 "from a checkpoint at an epoch's end) to continue the stream exactly",
+                KilnWarning,
                 stacklevel=3,
             )
             return None

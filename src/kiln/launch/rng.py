@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kiln.core.warn import KilnWarning
+
 __all__ = ["rng_state", "set_rng_state"]
 
 
@@ -59,5 +61,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             warnings.warn(
                 f"the checkpoint has CUDA RNG states for {len(cuda)} devices and this process sees "
                 f"{torch.cuda.device_count()}; CUDA RNG states are not restored",
+                KilnWarning,
                 stacklevel=3,
             )
