@@ -38,6 +38,7 @@ import pytest
 
 from distributed import WORKERS, base_env
 from kiln.checkpoint import layout, load_checkpoint, verify_checkpoint
+from kiln.launch.runlock import LOCK_NAME
 from workers.ckpt_common import build_state
 
 NUM_KILLS = 40  # per mode
@@ -140,7 +141,7 @@ def _folder_state(folder, where):
     """(complete checkpoints oldest save first as (name, manifest), debris names)."""
     complete, debris = [], set()
     for entry in folder.iterdir():
-        if entry.name in layout.LINKS:
+        if entry.name in layout.LINKS or entry.name == LOCK_NAME:  # a killed run's lock; the next takes it over
             continue
         if layout.is_temporary(entry.name):
             debris.add(entry.name)

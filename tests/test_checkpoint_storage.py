@@ -34,6 +34,7 @@ from kiln.checkpoint import (
     verify_checkpoint,
 )
 from kiln.checkpoint.storage import RemotePath, as_path
+from kiln.launch.runlock import LOCK_NAME
 from workers.ckpt_common import assert_same, build_state, snapshot, train
 
 pytest.importorskip("s3fs")
@@ -91,8 +92,8 @@ def folder(request, tmp_path):
 
 
 def _names(folder) -> set[str]:
-    """Every entry of the save folder, as the storage lists it."""
-    return {entry.name for entry in as_path(folder).iterdir()}
+    """Every entry of the save folder, as the storage lists it (but the lock of a run still saving there)."""
+    return {entry.name for entry in as_path(folder).iterdir() if entry.name != LOCK_NAME}
 
 
 def _files(path) -> set[str]:

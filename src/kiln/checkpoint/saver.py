@@ -16,7 +16,7 @@ from kiln.checkpoint.storage import as_path
 from kiln.core.callback import Callback
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
-from kiln.core.warn import KilnWarning
+from kiln.launch.runlock import LOCK_NAME, FolderInUseError, RunLock
 
 __all__ = ["CheckpointSaver"]
 
@@ -30,6 +30,11 @@ class CheckpointSaver(Callback):
     at ``FIT_END`` (unless that exact step is already saved), and at the end of the batch in which
     SIGTERM or SIGUSR1 arrived, after which the process exits with status 75
     (:data:`kiln.checkpoint.preemption.PREEMPTED_EXIT_CODE`).
+
+    One run per folder: while it trains, rank 0 holds ``folder/.kiln-lock`` (host, pid, run id),
+    and a folder held by another live run is refused on every rank with one line naming it
+    (:mod:`kiln.launch.runlock`; checked at ``INIT``, taken at ``FIT_START``, given back at
+    ``FIT_END``, on ``close`` and at exit). Folders on object stores are not locked.
 
     Args:
         folder: the save folder, a local path or an fsspec URL (``s3://bucket/run``, see
@@ -98,13 +103,27 @@ class CheckpointSaver(Callback):
         self._pending: AsyncCheckpoint | None = None
         self._fitting = False
         self._metric_seen = False
+        # Only a local folder is locked: see kiln.launch.runlock for why object stores are not.
+        self._lock = RunLock(self.folder / LOCK_NAME, "save_folder", folder) if isinstance(self.folder, Path) else None
 
     # -- events -------------------------------------------------------------------------------
+    def init(self, state: Any, logger: Any) -> None:
+        # Refused when the Trainer is built, before it loads or trains (FIT_START takes the lock).
+        self._agree(self._lock.conflict() if self._lock is not None and state.rank == 0 else None)
+
     def fit_start(self, state: Any, logger: Any) -> None:
         self._fitting = True
         self._wait()
+        refusal = None
         if state.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                if self._lock is not None:
+                    self._lock.acquire()
+            except FolderInUseError as exc:
+                refusal = str(exc)
+        self._agree(refusal)
+        if state.rank == 0:
             layout.cleanup_temporary(self.folder)  # debris of saves a crash interrupted
             # A crash between a commit and its retention leaves keep + 1 checkpoints; trimmed here,
             # this run's first commit cannot bring the folder to keep + 2.
@@ -147,20 +166,31 @@ class CheckpointSaver(Callback):
             self._wait()
         finally:
             self._fitting = False
+            if self._lock is not None:
+                self._lock.release()
             if self.preemption is not None:
                 self.preemption.uninstall()
         if self.best_metric is not None and not self._metric_seen and state.rank == 0:
             warnings.warn(
                 f"save_best={self.best_metric!r} never appeared in state.metrics (it has "
                 f"{sorted(state.metrics)}); no 'best' link was made",
-                KilnWarning,
                 stacklevel=2,
             )
         if self.preemption is not None and self.preemption.received and self.exit_on_preemption:
             self.preemption.exit()
 
     def close(self, state: Any, logger: Any) -> None:
-        self._wait()
+        try:
+            self._wait()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _agree(self, refusal: str | None) -> None:
+        """Rank 0's verdict on the folder's lock, raised on every rank alike (no rank left waiting)."""
+        refusal = collectives.broadcast_object(refusal)
+        if refusal is not None:
+            raise FolderInUseError(refusal)
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, state: Any, logger: Any = None) -> Path | None:

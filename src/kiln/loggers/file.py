@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from kiln.launch.runlock import FolderInUseError, RunLock, lock_path_for_file
 from kiln.loggers.destination import LoggerDestination
 from kiln.loggers.remote import RemoteFolder, is_url, local_path
 
@@ -27,6 +28,11 @@ class FileLogger(LoggerDestination):
     the first write (parent folders are created then), so a resumed run continues the same file
     and ranks that never write leave no file behind. Non-finite values are written as ``NaN`` /
     ``Infinity``, which Python's ``json`` reads back.
+
+    One run per file: a local file is locked while written (``.<name>.kiln-lock`` beside it; see
+    :mod:`kiln.launch.runlock`), so a second live run logging to the same path is refused with one
+    line naming it (when the Trainer is built, and at the first write) instead of mixing two
+    histories in one file. The lock is given back on ``close`` and at exit.
 
     ``path`` may be an fsspec URL (``s3://bucket/run/metrics.jsonl``, ``memory://...``): object
     stores cannot append, so the file is kept in a local staging copy (the URL's file first, when
@@ -67,6 +73,14 @@ class FileLogger(LoggerDestination):
         self.flush_interval = flush_interval
         self._file: IO[str] | None = None
         self._num_unflushed = 0
+        self._lock = None if self.url else RunLock(lock_path_for_file(self.path), "FileLogger path", self.path)
+
+    def init(self, state: State, logger: Any) -> None:
+        # Refused when the Trainer is built, on the rank that would write (before any training).
+        if self._lock is not None and (state.rank == 0 or not self.rank_zero_only):
+            refusal = self._lock.conflict()
+            if refusal is not None:
+                raise FolderInUseError(refusal)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
@@ -90,6 +104,8 @@ class FileLogger(LoggerDestination):
         if self.url is None:
             path = Path(self.path)
             path.parent.mkdir(parents=True, exist_ok=True)
+            if self._lock is not None:
+                self._lock.acquire()
             return path.open("a", encoding="utf-8")
         if self._remote is None:  # built on the first write: only writing ranks touch the storage
             folder, self._name = posixpath.split(self.url.rstrip("/"))
@@ -109,4 +125,6 @@ class FileLogger(LoggerDestination):
             self._file = None
         if self._remote is not None:
             self._remote.close()
+        if self._lock is not None:
+            self._lock.release()
         self._num_unflushed = 0
