@@ -1,4 +1,4 @@
-"""`kiln train -f run.yaml [--dotted.key value ...] [--nproc-per-node N] [--print-config]`.
+"""`kiln train -f run.yaml [--dotted.key value ...] [--nproc-per-node N] [--print-config] [--verbose]`.
 
 The whole config is read and checked first (types, batch arithmetic, imports, constructor
 arguments, the resume path): a mistake exits with status 2 and one line on stderr, before any
@@ -95,6 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the fully resolved config as YAML and exit",
     )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print kiln's debug messages (such as the table of every strategy 'auto' weighed)",
+    )
     p.set_defaults(func=train, accepts_extra=True)
 
 
@@ -135,7 +141,7 @@ def _relaunch(args: argparse.Namespace, nproc: int) -> int:
     """This command again on ``nproc`` processes, through ``kiln run`` (torch.distributed.run)."""
     from kiln.cli.run import run
 
-    argv = ["train", "-f", args.file, *args.extra]
+    argv = ["train", "-f", args.file, *(["--verbose"] if getattr(args, "verbose", False) else []), *args.extra]
     ns = argparse.Namespace(
         nproc_per_node=str(nproc),
         nnodes="1",
@@ -168,6 +174,10 @@ def train(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:  # components resolve from the working directory, as with python -m
         sys.path.insert(0, os.getcwd())
     extra = list(getattr(args, "extra", []))
+    if getattr(args, "verbose", False):
+        from kiln.launch.logging import get_dist_logger
+
+        get_dist_logger().set_level("DEBUG")
     try:
         nproc = _nproc(args.nproc_per_node)
         world = _world_size(nproc)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kiln.parallel.plan import PlanRow, activation_summary, format_table, plan_table
+from kiln.parallel.plan import PlanRow, activation_summary, choice_line, format_table, plan_table
 from kiln.parallel.strategy import Strategy, get_strategy
 
 if TYPE_CHECKING:
@@ -99,12 +99,12 @@ class Auto(Strategy):
         if ctx.is_main:
             from kiln.launch.logging import get_dist_logger
 
+            # One line in every run; the table of every candidate is `kiln plan`'s, or the debug
+            # level's (`kiln train --verbose`, get_dist_logger().set_level("DEBUG")).
+            logger = get_dist_logger()
+            logger.info(f"{choice_line(self.table)} (every candidate: kiln plan, or --verbose)", ranks=[0])
             summary = activation_summary(self.table)
-            get_dist_logger().info(
-                f"strategy='auto' chose {self.reason}\n{format_table(self.table)}"
-                + (f"\n{summary}" if summary else ""),
-                ranks=[0],
-            )
+            logger.debug(format_table(self.table) + (f"\n{summary}" if summary else ""), ranks=[0])
         return self.chosen.setup(model, optimizer, ctx, precision)
 
     # -- everything else is the chosen strategy's -------------------------------------------------

@@ -48,6 +48,7 @@ __all__ = [
     "activation_bytes",
     "memory_budget",
     "format_table",
+    "choice_line",
     "activation_summary",
 ]
 
@@ -86,6 +87,7 @@ class PlanRow:
     chosen: bool = False
     eligible: bool = True  # auto may pick it (tp changes which batch each rank must read: never automatic)
     note: str = ""
+    why: str = ""  # the chosen row: why it was chosen (choose() sets it)
     options: dict[str, Any] = field(default_factory=dict)  # what the strategy needs besides its name
     estimate: ActivationEstimate | None = None  # how ``activations`` was measured (None: no example)
 
@@ -303,7 +305,7 @@ def choose(rows: list[PlanRow], limit: int | None = None) -> PlanRow:
             f"{_fmt(smallest.total)}, checkpointing every block brings them from "
             f"{_fmt(smallest.activations)} to {_fmt(pick.activations)}"
         )
-    pick.chosen = True
+    pick.chosen, pick.why = True, why
     pick.note = f"{pick.note}. CHOSEN: {why}" if pick.note else f"CHOSEN: {why}"
     return pick
 
@@ -337,6 +339,12 @@ def format_table(rows: list[PlanRow]) -> str:
         "  ".join(str(c).ljust(w) for c, w in zip(line[:-1], widths)) + "  " + str(line[-1]) for line in [head, *body]
     ]
     return "\n".join(lines)
+
+
+def choice_line(rows: list[PlanRow]) -> str:
+    """The chosen row in one line, what a run prints (``format_table`` has every candidate)."""
+    row = next(r for r in rows if r.chosen)
+    return f"strategy='auto' chose {row.label}, {_fmt(row.total)} per rank: {row.why}"
 
 
 def activation_summary(rows: list[PlanRow]) -> str:
