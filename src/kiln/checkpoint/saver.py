@@ -16,6 +16,7 @@ from kiln.checkpoint.storage import as_path
 from kiln.core.callback import Callback
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
+from kiln.core.warn import KilnWarning
 from kiln.launch.runlock import LOCK_NAME, FolderInUseError, RunLock
 
 __all__ = ["CheckpointSaver"]
@@ -174,6 +175,7 @@ class CheckpointSaver(Callback):
             warnings.warn(
                 f"save_best={self.best_metric!r} never appeared in state.metrics (it has "
                 f"{sorted(state.metrics)}); no 'best' link was made",
+                KilnWarning,
                 stacklevel=2,
             )
         if self.preemption is not None and self.preemption.received and self.exit_on_preemption:
