@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kiln.core.warn import KilnWarning
 from kiln.launch.environments import job_id
 
 __all__ = ["FolderInUseError", "RunLock", "lock_path_for_file", "run_id", "LOCK_NAME"]
@@ -197,6 +198,7 @@ class RunLock:
             warnings.warn(
                 f"{self.key} {self.guarded}: taking over the lock {self.path} of run {holder.get('run_id')} "
                 f"(pid {holder.get('pid')} on this host has ended without releasing it)",
+                KilnWarning,
                 stacklevel=2,
             )
             self._take_over(holder)
