@@ -5,8 +5,8 @@
 
 Each rank trains one tiny MLP three times on the same per-rank batches: a raw
 ``DistributedDataParallel`` loop, the Engine loop of ``kiln.initialize`` and ``Trainer.fit`` with
-the progress bar drawn (on a stream that says it is a terminal), a ``ConsoleLogger`` and a
-``FileLogger``. Each loop runs inside :class:`StepCalls`, which counts per step:
+the progress bar drawn (on a stream that says it is a terminal), the progress lines a log file
+gets, a ``ConsoleLogger`` and a ``FileLogger``. Each loop runs inside :class:`StepCalls`, which counts per step:
 
 * **collectives**: every c10d operation, seen by ``torch.profiler`` as the dispatcher op
   ``c10d::<op>``; so DDP's gradient all-reduce (issued from C++ by its reducer, one per bucket)
@@ -309,16 +309,19 @@ def trainer(
         criterion=nn.CrossEntropyLoss(),
         log_interval=f"{log_interval}ba",
         loggers=[ConsoleLogger(stream=console), FileLogger(f"{folder}/metrics.jsonl")],
+        console_interval="1h",  # lines at each tenth of the run only: the same steps on every machine
     )
-    # progress_bar=True is the default; the bar draws only on a terminal (anything else gets one
-    # line per epoch), so it is given a stream that says it is one.
+    # progress_bar=True is the default; the bar draws only on a terminal, so it is given a stream
+    # that says it is one; the lines a log file gets go to a stream that is not (a line at each tenth).
     bar = tr.progress.stream = TerminalStream()
+    lines = tr.progress.console_stream = io.StringIO()
     with calls:
         tr.fit()
     tr.close()
     return calls, {
         "console": console.getvalue(),
         "bar": bar.getvalue(),
+        "lines": lines.getvalue(),
         "bar_enabled": tr.progress.enabled,
         "bar_shows_logged": getattr(tr.progress, "logger", None) is tr.logger,
     }

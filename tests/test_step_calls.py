@@ -4,8 +4,9 @@ DDP loop, counted by ``benchmarks/step_calls.py``.
 * The counter itself: it sees host reads (``float()``, ``item``, ``tolist``, ...), collectives
   and store operations, each with the line that made it; without this a counter broken by a torch
   upgrade would pass the two-rank test with nothing counted.
-* The progress bar reads no loss from the device while an epoch runs: it shows the loss the
-  Logger last wrote, or reads it once per epoch when nothing was logged.
+* The progress bar and the progress lines of a log file read no loss from the device per step:
+  they show the loss the Logger last wrote; when no Logger writes it, they read it only when they
+  show it (a line; a redraw of the bar at most once a second; the end of the run).
 * A real 2-rank gloo run of the three loops: the Engine issues exactly the raw loop's collectives
   (DDP's: one gradient all-reduce per step, two broadcasts when DDP rebuilds its buckets after the
   first step) and no host read. The Trainer, with the progress bar drawn, a ConsoleLogger and a
@@ -20,6 +21,7 @@ import importlib.util
 import io
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from distributed import ROOT, check, kiln_run
 from kiln.core.time import Time, Timestamp, TimeUnit
-from kiln.loggers import Logger
+from kiln.loggers import Logger, LoggerDestination
 from kiln.trainer.progress import ProgressBar
 
 
@@ -72,51 +74,62 @@ def test_the_counter_sees_host_reads_collectives_and_store_operations():
     assert second == {"step": 2, "collectives": {}, "python_collectives": [], "store_ops": [], "host_reads": []}
 
 
-# -- the progress bar -------------------------------------------------------------------------------
-def _epoch(bar: ProgressBar, batches: int = 6) -> list[dict]:
-    """Run one epoch of ``batches`` through ``bar`` (redrawing on every batch); the host reads per batch."""
+# -- the progress bar and lines ------------------------------------------------------------------------
+def _run(bar: ProgressBar, batches: int = 6, total: int | None = None) -> list[dict]:
+    """A fit() of ``batches`` through ``bar`` (the bar redrawing on every batch, the loop calling
+    ``update`` when it is due, as the Trainer does); the host reads per batch."""
     state = SimpleNamespace(
-        max_duration=Time(batches, TimeUnit.BATCH),
+        max_duration=Time(total or batches, TimeUnit.BATCH),
         timestamp=Timestamp(),
         dataloader_len=batches,
         loss=torch.tensor(0.75),
         lr=0.1,
+        metrics={},
+        stop_reason=None,
+        _stop=False,
     )
     with step_calls.StepCalls() as calls:
-        bar.start_epoch(state)
+        bar.start(state)
         if bar._bar is not None:
             bar._bar.mininterval = 0  # redraw on every update, as a slow step would
         for _ in range(batches):
             calls.next_step()
             state.timestamp.advance_batch(4, 0, 0.01)
-            bar.update(state)
+            if state.timestamp._batch >= bar.due_batch or time.perf_counter() >= bar.due_time:
+                bar.update(state)
         calls.next_step()
-        bar.end_epoch(state)
-        bar.close()
+        bar.finish(state)
     return calls.per_step()
 
 
-def test_the_progress_bar_shows_the_logged_loss_and_reads_nothing():
-    logger = Logger([], rank=0)
+def _reads(steps: list[dict]) -> dict:
+    return {s["step"]: where(s["host_reads"]) for s in steps if s["host_reads"]}
+
+
+def test_the_progress_bar_and_lines_show_the_logged_loss_and_read_nothing():
+    logger = Logger([LoggerDestination()], rank=0)
     logger.latest.update({"train/loss": 0.25, "train/lr": 0.5})  # what log_metrics leaves there
-    stream = step_calls.TerminalStream()
-    steps = _epoch(ProgressBar(stream=stream, logger=logger))
+    stream, lines = step_calls.TerminalStream(), io.StringIO()
+    steps = _run(ProgressBar(stream=stream, logger=logger, console_interval="1h", console_stream=lines), 50)
     assert [s["host_reads"] for s in steps] == [[]] * len(steps)
-    assert "6/6" in stream.getvalue() and "loss=0.25, lr=0.5" in stream.getvalue()
+    assert "50/50" in stream.getvalue() and "loss=0.25, lr=0.5" in stream.getvalue()
+    assert len(re.findall(r"^\S+ step ", lines.getvalue(), re.M)) == 9 and "loss 0.25  lr 0.5" in lines.getvalue()
 
 
-def test_the_progress_bar_without_a_logged_loss_reads_it_once_per_epoch():
+def test_without_a_logged_loss_it_is_read_only_when_shown():
+    # the bar: at its first redraw, then at most once a second of redraws, and at the end
     stream = step_calls.TerminalStream()
-    steps = _epoch(ProgressBar(stream=stream))
-    reads = {s["step"]: where(s["host_reads"]) for s in steps if s["host_reads"]}
-    assert reads == {6: ["__float__ at kiln/trainer/progress.py (_loss)"]}, "read on the epoch's last batch only"
+    steps = _run(ProgressBar(stream=stream, console_interval=None))
+    assert _reads(steps) == {1: ["__float__ at kiln/trainer/progress.py (_loss)"], 7: [f"__float__ at {LOSS}"]}
     assert "loss=0.75, lr=0.1" in stream.getvalue()
+    # lines: one read per step line (each tenth of a 50-step run) and the summary line, no other
+    lines = io.StringIO()
+    steps = _run(ProgressBar(stream=io.StringIO(), console_interval="1h", console_stream=lines), 50)
+    assert _reads(steps) == {step: [f"__float__ at {LOSS}"] for step in (5, 10, 15, 20, 25, 30, 35, 40, 45, 51)}
+    assert lines.getvalue().count("loss 0.75") == 10
 
-    not_a_terminal = io.StringIO()
-    steps = _epoch(ProgressBar(stream=not_a_terminal))
-    reads = {s["step"]: where(s["host_reads"]) for s in steps if s["host_reads"]}
-    assert reads == {7: ["__float__ at kiln/trainer/progress.py (_loss)"]}, "the summary line's read, at epoch end"
-    assert not_a_terminal.getvalue().startswith("epoch 1: 6 batches, loss 0.75")
+
+LOSS = "kiln/trainer/progress.py (_loss)"
 
 
 # -- a real two-rank run ----------------------------------------------------------------------------
@@ -173,11 +186,8 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
             reads = []
             if logs and rank == 0:  # the loggers write on rank 0: one copy of the loss to the host
                 reads.append("tolist at kiln/loggers/logger.py (_metrics_to_python)")
-            epoch_ends = step != "setup" and step % EPOCH_BATCHES == 0
-            if epoch_ends and rank == 0 and not result["bar_shows_logged"]:
-                # Until the Trainer hands its Logger to the bar (ProgressBar(logger=...)), the bar has
-                # no logged loss and reads the loss once per epoch, at its last batch.
-                reads.append("__float__ at kiln/trainer/progress.py (_loss)")
+            # the bar and the lines show the loss the loggers wrote: they read nothing
+            assert result["bar_shows_logged"]
             assert entry["collectives"] == collectives, f"rank {rank}, trainer step {step}: {entry}"
             assert where(entry["python_collectives"]) == (
                 ["all_reduce at kiln/trainer/trainer.py (_log_train)"] if logs else []
@@ -185,10 +195,13 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
             assert sorted(where(entry["host_reads"])) == sorted(reads), f"rank {rank}, trainer step {step}"
             assert entry["store_ops"] == [], f"rank {rank}, trainer step {step}"
 
-        # The run was what it says: the bar drawn on rank 0, both loggers written every 4 batches.
+        # The run was what it says: the bar (one over the run's two epochs) and the lines on rank 0,
+        # both loggers written every 4 batches.
         if rank == 0:
-            assert result["bar_enabled"] and result["bar"].count(f"{EPOCH_BATCHES}/{EPOCH_BATCHES}") == 2
-            assert "loss=" in result["bar"]
+            assert result["bar_enabled"] and f"{STEPS}/{STEPS}" in result["bar"] and "loss=" in result["bar"]
+            steps = re.findall(r"^\S+ step (\d+)/", result["lines"], re.M)
+            assert steps == ["2", "3", "4", "5", "6", "8", "9", "10", "11"], result["lines"]  # each tenth
+            assert "loss " in result["lines"] and "done: step 12/12" in result["lines"]
             logged = [json.loads(line)["step"] for line in result["logged"].splitlines()]
             assert logged == [4, 8, 12]
             assert [line.split("]")[0] for line in result["console"].splitlines()] == [
@@ -197,4 +210,4 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
                 "[batch 12",
             ]
         else:
-            assert not result["bar_enabled"] and result["bar"] == "" and result["console"] == ""
+            assert not result["bar_enabled"] and result["bar"] == result["lines"] == result["console"] == ""

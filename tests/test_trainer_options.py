@@ -75,6 +75,8 @@ def test_colossal_positional_engine_is_the_engine():
         ({"eval_interval": "3sp"}, r"^eval_interval='3sp' must be a positive number of epochs"),
         ({"eval_subset_num_batches": -2}, r"^eval_subset_num_batches=-2 must be an integer >= 1, or None$"),
         ({"log_interval": "1ep"}, r"^log_interval='1ep' must be a positive number of batches"),
+        ({"console_interval": "1ep"}, r"^console_interval='1ep' must be a wall-clock time like '30s' or '5m'"),
+        ({"console_interval": 0}, r"^console_interval=0 must be a wall-clock time like '30s'"),
         (
             {"save_num_checkpoints_to_keep": 0},
             r"^save_num_checkpoints_to_keep=0 must be -1 \(keep all\) or an int >= 1$",
@@ -97,6 +99,10 @@ def test_groups_validate_on_their_own_and_normalise():
     assert MicrobatchOptions(grad_accum=3).microbatch_size(10) == 4
     assert EvalOptions("100ba").eval_interval == kiln.Time(100, kiln.TimeUnit.BATCH)
     assert LogOptions(None, "5ba").log_every == 5 and LogOptions(None).loggers == []
+    assert LogOptions(console_interval="2m").console_interval == kiln.Time(120, kiln.TimeUnit.SECOND)
+    assert LogOptions(console_interval=None).console_interval is None
+    with pytest.raises(ValueError, match="console_interval='1ep'"):
+        LogOptions(console_interval="1ep")
     with pytest.raises(ValueError, match="grad_accum=-1"):
         MicrobatchOptions(grad_accum=-1)
     with pytest.raises(ValueError, match="autoresume=True needs save_folder="):

@@ -89,7 +89,8 @@ class TrainerArgs:
         max_val_steps: validate on at most this many batches.
         val_every_n_train_steps: validate every n optimizer steps.
         val_every_n_epochs: validate every n epochs.
-        enable_progress_bar: show a progress bar on rank 0.
+        enable_progress_bar: show progress on rank 0: a bar on a terminal, plain lines when stdout is not one.
+        console_interval: the most time between two progress lines when stdout is not a terminal ('30s', '5m', '100ba'; a line also comes at each tenth of the run); null: no lines.
         seed: seed python, numpy and torch before the model is built (same weights on every rank).
         init_env_fn: fully qualified name of fn(trainer_args) run first, before anything is built.
 
@@ -139,6 +140,7 @@ class TrainerArgs:
     val_every_n_epochs: int | None = 1
 
     enable_progress_bar: bool = True
+    console_interval: str | float | None = "30s"
     seed: int | None = None
     init_env_fn: str | None = None
 
@@ -157,6 +159,7 @@ class TrainerArgs:
             check_count(self, name)
         self._check_precision()
         self._check_levers()
+        self._check_console_interval()
         if self.max_epochs is None and self.max_train_steps is None:
             raise ConfigError(
                 "max_epochs: is not set (nor max_train_steps), expected at least one of them", path="max_epochs"
@@ -183,6 +186,21 @@ class TrainerArgs:
                 ),
                 path="tracing_from_weights",
             )
+
+    def _check_console_interval(self) -> None:
+        from kiln.trainer.progress import parse_console_interval  # the Trainer's rule
+
+        try:
+            parse_console_interval(self.console_interval)
+        except ValueError:
+            raise ConfigError(
+                format_error(
+                    "console_interval",
+                    self.console_interval,
+                    "a time like '30s' or '5m', batches like '100ba', or null",
+                ),
+                path="console_interval",
+            ) from None
 
     def _check_levers(self) -> None:
         # ParallelizeOptions holds the rules; imported here, not at the top, as it imports torch.

@@ -22,6 +22,7 @@ compile / activation_checkpointing                      compile / activation_che
 lr_scheduler.interval                                   step_schedulers_every_batch
 stateful_dataloader                                     stateful_dataloader
 log / hook / enable_progress_bar / seed / instance_name  loggers / callbacks / progress_bar / seed / run_name
+console_interval                                        console_interval
 ======================================================  ==============================================
 """
 
@@ -328,6 +329,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
         storage_options=ckpt.storage_options,
         seed=args.seed,
         progress_bar=args.enable_progress_bar,
+        console_interval=args.console_interval,
         step_schedulers_every_batch=args.lr_scheduler is not None and args.lr_scheduler.interval == "step",
         run_name=args.instance_name,
         config=args.to_dict(),

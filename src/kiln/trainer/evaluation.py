@@ -199,11 +199,14 @@ def evaluate_sets(
 ) -> dict[str, float]:
     """Evaluate each set in turn (each with its own metrics); returns all their results.
     ``subset_num_batches`` overrides the sets' own, which override the Trainer's."""
-    default = trainer.options.evaluation.eval_subset_num_batches
+    default, progress = trainer.options.evaluation.eval_subset_num_batches, trainer.progress
     results: dict[str, float] = {}
     for evaluator in evaluators:
         subset = subset_num_batches or evaluator.subset_num_batches or default
-        results.update(evaluate(trainer, evaluator.dataloader, evaluator.prefix, subset, evaluator))
+        progress.eval_start(trainer.state, evaluator.prefix, evaluator.dataloader, subset)  # lines in a log file
+        result = evaluate(trainer, evaluator.dataloader, evaluator.prefix, subset, evaluator)
+        progress.eval_end(evaluator.prefix, result)
+        results.update(result)
     return results
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
 from kiln.parallel.parallelize import ParallelizeOptions
+from kiln.trainer.progress import parse_console_interval
 
 __all__ = [
     "TrainerOptions",
@@ -206,7 +207,10 @@ class LogOptions:
     log_interval: int | str | Time = "1ba"
     """Log train metrics every N batches (``"10ba"``)."""
     progress_bar: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: a bar on a terminal, plain lines when stdout is not one."""
+    console_interval: Time | str | float | None = "30s"
+    """The most time between two progress lines when stdout is not a terminal (``"30s"``,
+    ``"5m"``, ``"100ba"``; a line also comes at each tenth of the run); ``None``: no lines."""
     log_every: int = field(default=1, init=False)
     """``log_interval`` in batches."""
 
@@ -217,6 +221,7 @@ class LogOptions:
         if log.unit != TimeUnit.BATCH or log.value < 1:
             raise ValueError(f"log_interval={self.log_interval!r} must be a positive number of batches, e.g. '10ba'")
         self.log_every = int(log.value)
+        self.console_interval = parse_console_interval(self.console_interval)
 
 
 @dataclass

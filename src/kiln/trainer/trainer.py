@@ -88,6 +88,11 @@ class Trainer:
         save_folder, save_interval, ...: checkpointing (see :mod:`kiln.checkpoint`); ``save_folder``
             and ``load_path`` may be fsspec URLs (``s3://bucket/run``), with ``storage_options``
             (credentials, ``endpoint_url``) for their filesystem, by default the environment's.
+        progress_bar, console_interval: progress on rank 0. On a terminal, a tqdm bar over the
+            whole run; when stdout is not a terminal (a log file, ``nohup``, SLURM, a pipe), a plain
+            line at least every ``console_interval`` (``"30s"``, ``"100ba"``; ``None``: no lines)
+            and at each tenth of the run, a line for the first step, for each evaluation and at the
+            end (see :class:`kiln.trainer.progress.ProgressBar`).
         engine, logger: the Colossal-AI form ``Trainer(engine=engine, logger=logger)``.
 
     Example::
@@ -132,6 +137,7 @@ class Trainer:
         deterministic: bool = False,
         progress_bar: bool = True,
         log_interval: int | str | Time = "1ba",
+        console_interval: str | float | Time | None = "30s",
         engine: Engine | None = None,
         logger: Any = None,
         save_async: bool = False,
@@ -157,7 +163,7 @@ class Trainer:
             ),
             microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
             evaluation=EvalOptions(eval_interval, eval_subset_num_batches),  # type: ignore[arg-type]  # made a Time
-            logging=LogOptions(loggers, log_interval, progress_bar),
+            logging=LogOptions(loggers, log_interval, progress_bar, console_interval),
             levers=LeverOptions(compile, activation_checkpointing, float8),
             data=DataOptions(stateful_dataloader),
             checkpointing=CheckpointOptions(
@@ -240,7 +246,11 @@ class Trainer:
         self.logger = Logger(opts.logging.loggers, rank=ctx.rank, state=state)
         self.events = EventRunner(state, self.logger)
         self._step_plan: tuple[Any, ...] = (-1,)  # _plan_step's choices, for the listeners of events.version
-        self.progress = ProgressBar(enabled=progress_bar and ctx.rank == 0, logger=self.logger)
+        self.progress = ProgressBar(
+            enabled=progress_bar and ctx.rank == 0,
+            logger=self.logger,
+            console_interval=opts.logging.console_interval,
+        )
 
         # -- data ----------------------------------------------------------------------------
         self.train_dataloader: Iterable | None = None
@@ -374,6 +384,7 @@ class Trainer:
         perf_counter = time.perf_counter
         heartbeat.follow(events.describe)
         try:
+            progress.start(state)  # the time to the first step counts from here
             run(Event.FIT_START)
             state.clear_stop()
             while not state._stop and getattr(ts, counter) < limit:
@@ -402,7 +413,8 @@ class Trainer:
                     samples = num_samples(state.batch)
                     tokens = 0 if type(state.batch) in (tuple, list) else num_tokens(state.batch)
                     self._train_batch(samples)
-                    ts.advance_batch(samples * world, tokens * world, perf_counter() - start)
+                    now = perf_counter()
+                    ts.advance_batch(samples * world, tokens * world, now - start)
                     if active or evaluate_batches:  # else nobody reads it before the loop stops (below)
                         state.metrics["train/loss"] = state.loss.detach()
                     for scheduler in self._per_batch_schedulers:
@@ -411,7 +423,7 @@ class Trainer:
                         run(_BATCH_END)
                     if self.logger.destinations and ts._batch % log_every == 0:
                         self._log_train()
-                    if progress._bar is not None:
+                    if ts._batch >= progress.due_batch or now >= progress.due_time:  # a bar, or a line due
                         progress.update(state)
                     # Evaluation runs before the checkpoint event (Composer's order): the checkpoint
                     # then holds this step's metrics and the RNG state after the eval loader drew from it.
@@ -427,7 +439,6 @@ class Trainer:
                     continue  # stopped inside the epoch: the while condition ends the run
                 if ts._batch_in_epoch == 0:
                     raise ValueError("the training dataloader produced no batches; check its length and drop_last")
-                progress.end_epoch(state)
                 ts.advance_epoch()
                 for scheduler in self._per_epoch_schedulers:
                     scheduler.step()
@@ -437,6 +448,7 @@ class Trainer:
                 run(Event.EPOCH_CHECKPOINT)
             run(Event.FIT_END)
             self.logger.flush()
+            progress.finish(state, self._saver.last_path if self._saver is not None else None)
         except RuntimeError as exc:
             heartbeat.raise_if_timed_out(exc)  # a collective timed out: say which rank is missing
             raise
