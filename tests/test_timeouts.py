@@ -66,12 +66,17 @@ def test_config_cli_timeout_is_checked_and_reaches_the_launcher(tmp_path, monkey
         seen.append(kwargs)
         raise Stop
 
-    monkeypatch.setattr(kiln, "launch", launch)
-    monkeypatch.setattr(train, "_under_torchrun", lambda: False)
+    from kiln.launch import join
+
+    # Under torchrun with a world of 2 the CLI joins through kiln.launch.join (its one home).
+    monkeypatch.setitem(join._LAUNCHERS, "torchrun", launch)
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     args = type("Args", (), {"compute_config": ComputeConfig(timeout=20)})()
     with pytest.raises(Stop):
         train.run_training(args)
-    assert seen == [{"world_size": 1, "timeout": 20.0}]
+    assert seen == [{"timeout": 20.0}]
 
 
 # -- the heartbeat, in one process ----------------------------------------------------------------

@@ -35,6 +35,7 @@ from kiln.launch import heartbeat
 from kiln.launch.config import Config, load_config
 from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
+from kiln.launch.join import join_launcher
 from kiln.optim.implementation import apply_default_implementation
 from kiln.parallel.parallelize import ParallelizeOptions
 from kiln.parallel.strategy import Strategy, get_strategy
@@ -507,7 +508,7 @@ def initialize(
 
         engine, train_dl, test_dl, lr_scheduler = kiln.initialize(model, optimizer, criterion, train_dl, test_dl)
     """
-    ctx = context()
+    ctx = join_launcher()  # under torchrun, SLURM or Open MPI: their world, as launch_from_* would
     cfg = ctx.config if config is None else load_config(config)
     name, options = _strategy_from_config(cfg)
     engine = Engine(

@@ -6,8 +6,9 @@ process group, file or directory exists (``KILN_DEBUG=1`` adds the traceback). T
 
 * ``--print-config`` prints the fully resolved YAML, which ``-f`` accepts back unchanged;
 * ``--nproc-per-node N`` starts N copies of this command through torch.distributed.run (via
-  ``kiln run``); under torchrun (or ``kiln run``) the existing group is joined with
-  ``kiln.launch_from_torch``; otherwise it runs as one process;
+  ``kiln run``); under torchrun (or ``kiln run``), SLURM (``srun``) or Open MPI (``mpirun``) the
+  launcher's group is joined (:func:`kiln.launch.join.join_launcher`); otherwise it runs as one
+  process;
 * the Trainer is built from the config (:func:`kiln.config.build_trainer`) and fitted.
 """
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from kiln.config.args import TrainerArgs, dump_yaml, load_trainer_args
 from kiln.config.overrides import ConfigError, format_error
 from kiln.config.types import field_docs, is_dataclass_type, type_name
+from kiln.launch.environments import Launcher, LaunchError, detect
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer
@@ -31,8 +33,12 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "fields_help", "train"]
 
 
-def _under_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+def _launcher() -> Launcher | None:
+    """The launcher this command runs under (torchrun, Open MPI, a SLURM step), as a config error."""
+    try:
+        return detect()
+    except LaunchError as e:
+        raise ConfigError(str(e), path="environment") from None
 
 
 def _field_lines(cls: type, prefix: str = "") -> list[str]:
@@ -120,9 +126,21 @@ def _nproc(value: str | None) -> int | None:
     return n
 
 
-def _world_size(nproc: int | None) -> int:
-    if _under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
+def _world_size(nproc: int | None, launcher: Launcher | None) -> int:
+    if launcher is not None and launcher.name != "torchrun":
+        if nproc is not None:
+            raise ConfigError(
+                format_error(
+                    "--nproc-per-node",
+                    nproc,
+                    f"nothing (this process is already rank {launcher.rank} of {launcher.world_size} "
+                    f"started by {launcher.name})",
+                ),
+                path="--nproc-per-node",
+            )
+        return launcher.world_size
+    if launcher is not None:
+        world = launcher.world_size
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if nproc is not None and local is not None and int(local) != nproc:
             raise ConfigError(
@@ -180,28 +198,23 @@ def train(args: argparse.Namespace) -> int:
         get_dist_logger().set_level("DEBUG")
     try:
         nproc = _nproc(args.nproc_per_node)
-        world = _world_size(nproc)
+        launcher = _launcher()
+        world = _world_size(nproc, launcher)
         trainer_args = load_trainer_args(args.file, extra, world_size=world)
     except ConfigError as e:
         return _fail(e)
     if args.print_config:
         sys.stdout.write(dump_yaml(trainer_args))
         return 0
-    if nproc is not None and not _under_torchrun():
+    if nproc is not None and launcher is None:
         return _relaunch(args, nproc)
     return run_training(trainer_args)
 
 
 def run_training(trainer_args: TrainerArgs) -> int:
-    """Join the launcher's process group (or run alone), build the Trainer and fit it."""
-    import kiln
+    """Build the Trainer (which joins the launcher's process group, or runs alone) and fit it."""
     from kiln.config.trainer_builder import build_trainer
 
-    timeout = trainer_args.compute_config.timeout
-    if _under_torchrun():
-        kiln.launch_from_torch(timeout=timeout)
-    else:  # kiln.launch is a package whose module class is callable (kiln/launch/__init__.py)
-        kiln.launch(world_size=1, timeout=timeout)  # type: ignore[operator]  # a callable module
     trainer = build_trainer(trainer_args)
     try:
         if trainer_args.run_mode == "compile":

@@ -44,6 +44,7 @@ from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.core.warn import KilnWarning
 from kiln.launch.context import context, seed_everything
+from kiln.launch.join import join_launcher
 from kiln.precision import DTYPES, TENSOR_TYPES, Precision
 
 __all__ = ["build_model", "build_precision", "build_trainer"]
@@ -258,8 +259,9 @@ def _activation_checkpointing(spec: str | None) -> Any:
 def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     """Build every component of ``args`` and the :class:`kiln.Trainer` that trains them.
 
-    Call after launching (``kiln.launch_from_torch()``, or nothing for one process): the world
-    size is ``kiln.context().world_size``. ``args`` are resolved for it again, so a mismatch fails here.
+    Under torchrun, SLURM or Open MPI the launcher's group is joined first unless a ``launch_*``
+    call made one (:func:`kiln.launch.join.join_launcher`); the world size is then
+    ``kiln.context().world_size``. ``args`` are resolved for it again, so a mismatch fails here.
 
     Example::
 
@@ -268,7 +270,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     """
     from kiln.trainer.trainer import Trainer
 
-    ctx = context()
+    ctx = join_launcher(timeout=args.compute_config.timeout)
     args = args.resolve(ctx.world_size)
     cc = args.compute_config
     if args.init_env_fn:

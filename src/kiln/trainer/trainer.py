@@ -23,8 +23,9 @@ from kiln.core.state import State
 from kiln.core.time import Time, TimeUnit
 from kiln.engine import Engine, move_to_device
 from kiln.launch import heartbeat
-from kiln.launch.context import context, resolve_device, seed_everything
+from kiln.launch.context import resolve_device, seed_everything
 from kiln.launch.data import ShardSampler
+from kiln.launch.join import join_launcher
 from kiln.launch.loader import ResumableLoader
 from kiln.launch.streaming import resumable_train_loader
 from kiln.loggers.logger import Logger
@@ -178,7 +179,7 @@ class Trainer:
                 storage_options,
             ),
         )
-        ctx = context()
+        ctx = join_launcher()  # under torchrun, SLURM or Open MPI: their world, as launch_from_* would
         if seed is not None:
             seed_everything(seed)
         if deterministic:
