@@ -58,7 +58,9 @@ __all__ = [
 ]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it per worker: <log dir>/attempt_N/<local rank>/error.json
-_STORE_KEY = "kiln/failures"  # one line of JSON per rank that failed on its own
+# One line of JSON per rank that failed on its own, per torchrun attempt (a restarted group keeps
+# the store, and an earlier attempt's failure is not this one's).
+_STORE_KEY = "kiln/failures/attempt{}"
 _STORE_SECONDS = 2.0  # a store whose host went away must not hold a dying rank longer than this
 _MESSAGE_CHARS = 300
 
@@ -181,19 +183,23 @@ def write(report: Report, traceback_text: str, path: str | None = None) -> bool:
 def publish(report: Report) -> None:
     """Add ``report`` to the job's c10d store, where ranks on other nodes read it (best effort)."""
     line = json.dumps(asdict(report)) + "\n"
-    _with_store(lambda store: store.append(_STORE_KEY, line))
+    _with_store(lambda store: store.append(_store_key(), line))
 
 
 def read_peer_failure(rank: int | None) -> dict[str, Any] | None:
     """The earliest report in the store of a rank other than ``rank`` that failed on its own."""
 
     def read(store: Any) -> list[dict[str, Any]]:
-        if not store.check([_STORE_KEY]):
+        if not store.check([_store_key()]):
             return []
-        return [json.loads(line) for line in bytes(store.get(_STORE_KEY)).decode().splitlines() if line]
+        return [json.loads(line) for line in bytes(store.get(_store_key())).decode().splitlines() if line]
 
     reports = [r for r in _with_store(read) or [] if r.get("rank") != rank and r.get("kind") == "error"]
     return min(reports, key=lambda r: r.get("time", 0.0)) if reports else None
+
+
+def _store_key() -> str:
+    return _STORE_KEY.format(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _chain(exc: BaseException) -> Iterable[BaseException]:
