@@ -236,3 +236,22 @@ def test_parent_death_is_armed_and_an_orphan_ends_itself():
     armed = "from kiln.launch import parent_death; import os; print(parent_death.arm(parent_pid=os.getppid()))"
     result = subprocess.run([sys.executable, "-c", armed], env=base_env(), capture_output=True, text=True, timeout=60)
     assert result.stdout == "True\n"
+
+
+def test_a_sigterm_during_the_report_waits_until_it_is_written():
+    # torchrun SIGTERMs the other ranks as soon as one exits: a rank writing its report finishes it first
+    import os
+    import signal
+
+    from kiln.launch import worker
+
+    seen: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("terminated"))
+    try:
+        with worker._sigterm_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # Python runs the handler at once, here
+            seen.append("report written")
+        assert seen == ["report written", "terminated"]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
