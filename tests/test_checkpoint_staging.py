@@ -148,6 +148,7 @@ def test_a_trainers_async_saves_reuse_one_set_of_buffers(tmp_path):
     # at the first save; the second and third reuse them
     pool = staging_buffers_for(trainer.state.engine.model)
     assert pool.num_allocated == 4 * 4 and pool.num_free() == 16
+    assert not any(buffer.is_pinned() for buffer in pool.free_buffers())  # CPU tensors: plain memory
     # Each checkpoint holds the weights of its own step, not a later save's
     for step in (1, 2, 3):
         out = tmp_path / f"merged-{step}.pt"
@@ -180,3 +181,4 @@ def test_cuda_tensors_stage_into_pinned_buffers_reused_between_saves(tmp_path):
     trainer.close()
     pool = staging_buffers_for(trainer.state.engine.model)
     assert pool.num_allocated == 16 and pool.num_free() == 16
+    assert all(buffer.is_pinned() for buffer in pool.free_buffers())

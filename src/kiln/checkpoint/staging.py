@@ -97,10 +97,13 @@ class StagingBuffers(AsyncStager):
     def close(self) -> None:
         return None  # nothing to shut down: the buffers go with the pool
 
-    def num_free(self) -> int:
-        """Buffers waiting in the pool for the next save."""
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The buffers waiting in the pool for the next save."""
         with self._lock:
-            return sum(len(buffers) for buffers in self._free.values())
+            return [buffer for buffers in self._free.values() for buffer in buffers]
+
+    def num_free(self) -> int:
+        return len(self.free_buffers())
 
     def _copy(self, obj: Any, taken: list[tuple[_Key, torch.Tensor]], devices: set[torch.device]) -> Any:
         if isinstance(obj, DTensor):  # its local shard into a buffer, under the same sharding spec
