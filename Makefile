@@ -7,7 +7,7 @@ DS_STAMP := $(VENV)/.deepspeed-installed
 
 LINT_PATHS := src tests benchmarks examples
 
-.PHONY: demo test lint install bench clean docs
+.PHONY: demo test lint install bench clean docs gpu-check
 
 # torch is pinned and installed first: with nothing installed, a looser spec pulls a multi-GB
 # CUDA build; 2.13.0 is the local CPU build here and the default build elsewhere. The distribution
@@ -56,6 +56,15 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# Every CUDA path, in at most 8 minutes on one H100/H200: runs/gpu_check/gpu_check.md (and .json,
+# logs/), the table printed at the end. On a machine without CUDA it runs what a CPU can, names
+# the rest in one line and exits 0. It runs in the environment `make install` builds (torch, the
+# dev extra: pytest, transformers, torchao), built first only when there is none: a GPU machine
+# may have no package index, so an existing one is used as it is, even if pyproject.toml is newer.
+GPU_CHECK_OUT ?= runs/gpu_check
+gpu-check: $(if $(wildcard $(STAMP)),,$(STAMP))
+	$(PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
