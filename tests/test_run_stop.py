@@ -103,8 +103,9 @@ def launches():
 
 @pytest.mark.world_size(2)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_sigkill_of_the_launcher_leaves_no_worker_after_10_s(launches):
-    launch = launches("loop")
+def test_sigkill_of_the_launcher_leaves_no_worker_after_10_s(launches, tmp_path):
+    # a log folder of the test's: a SIGKILLed launcher cannot remove the temporary one it makes
+    launch = launches("loop", extra=("--log-dir", str(tmp_path / "logs")))
     pids = launch.started()
     os.kill(launch.proc.pid, signal.SIGKILL)  # `kill -9 <kiln run>`: the launcher alone
     launch.finish()
