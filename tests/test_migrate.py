@@ -74,7 +74,7 @@ def test_from_nnscaler_yaml_hook_and_merged_checkpoint(tmp_path):
     result = check(kiln_run(MIGRATE / "from_nnscaler.py", cwd=tmp_path, env=env, timeout=300))
     out = result.stdout
     assert _number(out, "final test accuracy:") >= 0.9
-    assert _number(out, "last") < 0.5 * _number(out, "train loss: first")
+    assert _number(out, ", last") < 0.5 * _number(out, "train loss: first")  # the example's line, not kiln's progress
     assert len(re.search(r"validation losses: (.*)", out).group(1).split(", ")) == 4  # on_val_end, every epoch
     merged = tmp_path / "runs" / "from_nnscaler" / "merged.pt"
     content = torch.load(merged, weights_only=True)
