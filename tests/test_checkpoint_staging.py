@@ -181,4 +181,7 @@ def test_cuda_tensors_stage_into_pinned_buffers_reused_between_saves(tmp_path):
     trainer.close()
     pool = staging_buffers_for(trainer.state.engine.model)
     assert pool.num_allocated == 16 and pool.num_free() == 16
-    assert all(buffer.is_pinned() for buffer in pool.free_buffers())
+    # pinned: the buffers of the weights and Adam's moments; Adam keeps its step counts on the host
+    # (unless fused or capturable), and those buffers are plain
+    on_gpu = 4 + sum(t.is_cuda for t in _tensors(trainer.state.optimizers[0].state_dict()["state"]))
+    assert on_gpu >= 12 and sum(buffer.is_pinned() for buffer in pool.free_buffers()) == on_gpu
