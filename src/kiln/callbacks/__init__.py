@@ -19,6 +19,7 @@ from typing import Any
 from kiln.callbacks.early_stopper import EarlyStopper
 from kiln.callbacks.lr_monitor import LRMonitor
 from kiln.callbacks.memory_monitor import MemoryMonitor
+from kiln.callbacks.moe_monitor import MoEMonitor
 from kiln.callbacks.nan_monitor import NaNMonitor, NonFiniteLossError
 from kiln.callbacks.profiler import ProfilerCallback
 from kiln.callbacks.speed_monitor import SpeedMonitor
@@ -27,6 +28,7 @@ from kiln.callbacks.threshold_stopper import ThresholdStopper
 __all__ = [
     "SpeedMonitor",
     "MemoryMonitor",
+    "MoEMonitor",
     "LRMonitor",
     "EarlyStopper",
     "ThresholdStopper",

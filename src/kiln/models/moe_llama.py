@@ -1,0 +1,261 @@
+"""A small Llama-style decoder whose feed-forward layers are mixtures of experts (:mod:`kiln.models.moe`).
+
+Pre-norm blocks of grouped-query attention with rotary positions and a feed-forward that is a
+:class:`kiln.models.moe.MoE` (the first ``num_dense_layers`` blocks keep a dense SwiGLU, as
+DeepSeek-V3's do). The model is a :class:`kiln.Model`: batches are ``{"input_ids": ...,
+"labels": ...}`` dicts (``labels`` default to the inputs) or a tensor of token ids; the loss is the
+next-token cross-entropy plus the MoE layers' auxiliary losses; its evaluation metric is
+:class:`kiln.models.LanguagePerplexity`.
+
+It builds from keyword arguments, so a YAML file names it like the LM example's model::
+
+    model:
+      type: kiln.models.MoELlama
+      args: {vocab_size: 256, dim: 128, num_layers: 4, num_heads: 4, num_experts: 8, top_k: 2}
+
+``tp_plan`` splits the attention and the dense and shared feed-forwards over a tensor-parallel
+mesh; the routed experts are split by expert parallelism instead (``Hybrid(ep=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.core.model import Model
+from kiln.models.huggingface import IGNORE_INDEX, LanguagePerplexity
+from kiln.models.moe import FeedForward, MoE, aux_loss
+
+__all__ = ["MoELlamaConfig", "MoELlama"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoELlamaConfig:
+    """The sizes of a :class:`MoELlama`; the MoE fields are :class:`kiln.models.moe.MoE`'s.
+
+    Args:
+        vocab_size / dim / num_layers / num_heads: the decoder's sizes.
+        num_kv_heads: key/value heads (grouped-query attention); None: ``num_heads``.
+        max_seq_len: the longest sequence (rotary tables are built for it).
+        dense_hidden_dim: the dense layers' feed-forward width (None: ``4 * dim``).
+        num_dense_layers: the first blocks keep a dense feed-forward.
+        moe_hidden_dim: each expert's hidden width (None: ``2 * dim``).
+        num_experts / top_k / score_func / route_norm / route_scale / num_shared_experts /
+            load_balance / aux_loss_coef / bias_update_rate / capacity_factor: see :class:`MoE`.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dense_hidden_dim: int | None = None
+    num_dense_layers: int = 0
+    moe_hidden_dim: int | None = None
+    num_experts: int = 8
+    top_k: int = 2
+    score_func: str = "softmax"
+    route_norm: bool = False
+    route_scale: float = 1.0
+    num_shared_experts: int = 0
+    load_balance: str | None = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoELlama {name}={value!r} must be an integer >= 1")
+        kv = self.kv_heads
+        if self.dim % self.num_heads or self.num_heads % kv:
+            raise ValueError(
+                f"MoELlama num_heads={self.num_heads} must divide dim={self.dim} and be a multiple of "
+                f"num_kv_heads={kv}; pick sizes where dim % num_heads == 0 and num_heads % num_kv_heads == 0"
+            )
+        if (self.dim // self.num_heads) % 2:
+            raise ValueError(
+                f"MoELlama dim / num_heads = {self.dim // self.num_heads} must be even (rotary embeddings "
+                "rotate pairs); change dim or num_heads"
+            )
+        if not 0 <= self.num_dense_layers <= self.num_layers:
+            raise ValueError(
+                f"MoELlama num_dense_layers={self.num_dense_layers!r} must be from 0 to num_layers={self.num_layers}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary positions. Head counts are read from the
+    projections' outputs, so under tensor parallelism each rank runs its own heads."""
+
+    def __init__(self, config: MoELlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.num_heads
+        self.wq = nn.Linear(config.dim, config.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.num_heads * self.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = (p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for p in (self.wq, self.wk, self.wv))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, config: MoELlamaConfig, dense: bool) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward: nn.Module
+        if dense:
+            self.feed_forward = FeedForward(config.dim, config.dense_hidden_dim or 4 * config.dim)
+        else:
+            self.feed_forward = MoE(
+                config.dim,
+                config.moe_hidden_dim or 2 * config.dim,
+                config.num_experts,
+                config.top_k,
+                score_func=config.score_func,
+                route_norm=config.route_norm,
+                route_scale=config.route_scale,
+                num_shared_experts=config.num_shared_experts,
+                load_balance=config.load_balance,
+                aux_loss_coef=config.aux_loss_coef,
+                bias_update_rate=config.bias_update_rate,
+                capacity_factor=config.capacity_factor,
+            )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoELlama(Model):
+    """A Llama-style mixture-of-experts decoder (see the module's docstring).
+
+    Args:
+        config: a :class:`MoELlamaConfig` or a dict of its fields; or give the fields as keywords.
+
+    Example::
+
+        model = kiln.models.MoELlama(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_experts=4)
+        trainer = kiln.Trainer(model, train_dataloader=loader, max_duration="10ba",
+                               optimizers=torch.optim.AdamW(model.parameters()),
+                               callbacks=[kiln.callbacks.MoEMonitor()])
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, config: MoELlamaConfig | Mapping[str, Any] | None = None, **fields: Any) -> None:
+        super().__init__()
+        if isinstance(config, MoELlamaConfig):
+            config = dataclasses.replace(config, **fields) if fields else config
+        else:
+            known = {f.name for f in dataclasses.fields(MoELlamaConfig)}
+            values = {**(config or {}), **fields}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise TypeError(f"MoELlama got unknown config fields {unknown}; its fields are {sorted(known)}")
+            config = MoELlamaConfig(**values)
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i < config.num_dense_layers) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        head_dim = config.dim // config.num_heads
+        inv = 1.0 / config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float64), inv).repeat(1, 2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.tp_plan = {
+            "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise",
+            "layers.*.attention.wv": "colwise",
+            "layers.*.attention.wo": "rowwise",
+        }
+        for i in range(config.num_layers):
+            ffn = "feed_forward" if i < config.num_dense_layers else "feed_forward.shared_experts"
+            if i < config.num_dense_layers or config.num_shared_experts:
+                self.tp_plan.update({f"layers.{i}.{ffn}.w1": "colwise", f"layers.{i}.{ffn}.w3": "colwise"})
+                self.tp_plan[f"layers.{i}.{ffn}.w2"] = "rowwise"
+
+    def forward(self, batch: Any) -> torch.Tensor:  # noqa: D102
+        tokens = _input_ids(batch)
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(
+                f"MoELlama got sequences of {seq} tokens, more than max_seq_len={self.config.max_seq_len}; "
+                "raise max_seq_len or shorten the sequences"
+            )
+        x = self.embed(tokens)
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+    def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
+        """Next-token cross-entropy plus the MoE layers' auxiliary losses (``load_balance="aux_loss"``)."""
+        labels = _labels(batch)
+        ce = F.cross_entropy(
+            outputs[:, :-1].reshape(-1, outputs.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        return ce + aux_loss(self) if self.training else ce
+
+    def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        return {"LanguagePerplexity": LanguagePerplexity()}
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
+        metric.update(outputs[:, :-1], _labels(batch)[:, 1:])
+
+
+def _input_ids(batch: Any) -> torch.Tensor:
+    if isinstance(batch, Mapping):
+        return batch["input_ids"]
+    if isinstance(batch, (tuple, list)):
+        return batch[0]
+    return batch
+
+
+def _labels(batch: Any) -> torch.Tensor:
+    if isinstance(batch, Mapping):
+        return batch.get("labels", batch["input_ids"])
+    if isinstance(batch, (tuple, list)):
+        return batch[1] if len(batch) > 1 else batch[0]
+    return batch
