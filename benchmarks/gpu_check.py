@@ -150,7 +150,8 @@ def _read_lm(files: Path) -> tuple[str, str, dict[str, Any]]:
             memory = f", peak memory {row['kiln_peak_bytes'] / 2**30:.2f} vs {row['raw_peak_bytes'] / 2**30:.2f} GiB"
         rows.append(
             f"{row['size']} {row['levers']}: kiln {row['kiln_tokens_per_sec']:.0f} vs raw "
-            f"{row['raw_tokens_per_sec']:.0f} tok/s (x{row['tokens_per_sec_ratio']:.3f}){mfu}{memory}"
+            f"{row['raw_tokens_per_sec']:.0f} tok/s (median step ratio kiln/raw "
+            f"x{row['tokens_per_sec_ratio']:.3f}){mfu}{memory}"
         )
     if rows and report["peak_flops_per_sec"] is None:
         rows.append("MFU n/a: no peak FLOP/s for this device")
