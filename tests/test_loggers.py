@@ -144,7 +144,7 @@ def test_logger_default_rank_without_process_group():
 
 
 def test_console_logger_lines(capsys):
-    logger = Logger([ConsoleLogger()], rank=0)
+    logger = Logger([ConsoleLogger(time_format=None)], rank=0)
     logger.log_metrics({"train/loss": torch.tensor(0.1234), "train/lr": 0.01}, step=12)
     logger.log_metrics({"eval/Accuracy": 0.75})
     logger.log_hyperparameters({"lr": 0.01, "batch_size": 32})
@@ -159,7 +159,7 @@ def test_console_logger_lines(capsys):
 
 def test_console_logger_interval_and_stream():
     stream = io.StringIO()
-    console = ConsoleLogger(log_interval=10, stream=stream)
+    console = ConsoleLogger(log_interval=10, stream=stream, time_format=None)
     for step in range(1, 21):
         console.log_metrics({"train/loss": 1.0 / step}, step=step)
     console.log_metrics({"eval/loss": 0.5}, step=15)  # eval results print off the interval
@@ -170,6 +170,17 @@ def test_console_logger_interval_and_stream():
     ]
     with pytest.raises(ValueError, match="log_interval.*0"):
         ConsoleLogger(log_interval=0)
+
+
+def test_console_logger_lines_start_with_the_time(monkeypatch):
+    """Each line starts with the time of day (a log file says when), in the format asked for."""
+    monkeypatch.setattr(time, "localtime", lambda *args: time.struct_time((2026, 11, 27, 14, 2, 31, 4, 331, 0)))
+    stream = io.StringIO()
+    ConsoleLogger(stream=stream).log_metrics({"train/loss": 0.5}, step=3)
+    ConsoleLogger(stream=stream, time_format="%Y-%m-%d %H:%M").log_text("done")
+    assert stream.getvalue().splitlines() == ["14:02:31 [batch 3] train/loss: 0.5", "2026-11-27 14:02 done"]
+    with pytest.raises(ValueError, match="time_format must be a strftime string or None, got 5"):
+        ConsoleLogger(time_format=5)  # type: ignore[arg-type]
 
 
 # --- FileLogger --------------------------------------------------------------------------------

@@ -204,10 +204,11 @@ def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tm
             assert "loss " in result["lines"] and "done: step 12/12" in result["lines"]
             logged = [json.loads(line)["step"] for line in result["logged"].splitlines()]
             assert logged == [4, 8, 12]
+            # each console line: the time of day, then the batch
             assert [line.split("]")[0] for line in result["console"].splitlines()] == [
-                "[batch 4",
-                "[batch 8",
-                "[batch 12",
+                f"{clock} [batch {step}"
+                for clock, step in zip(re.findall(r"^(\d\d:\d\d:\d\d) ", result["console"], re.M), (4, 8, 12))
             ]
+            assert len(result["console"].splitlines()) == 3
         else:
             assert not result["bar_enabled"] and result["bar"] == result["lines"] == result["console"] == ""

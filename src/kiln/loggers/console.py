@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, TextIO
 
 from kiln.loggers.destination import LoggerDestination
@@ -13,7 +14,8 @@ __all__ = ["ConsoleLogger"]
 class ConsoleLogger(LoggerDestination):
     """Prints each ``log_metrics`` call as one line of text.
 
-    For example ``[batch 12] train/loss: 0.1234  train/lr: 0.01``.
+    For example ``14:02:31 [batch 12] train/loss: 0.1234  train/lr: 0.01``: the time of day first,
+    as the Trainer's progress lines have it, so a log file says when each line was written.
 
     Floats are printed with 6 significant digits. A call whose step is not a multiple of
     ``log_interval`` is skipped, except when it holds an ``eval/`` metric: evaluation results are
@@ -24,20 +26,33 @@ class ConsoleLogger(LoggerDestination):
         stream: Where to print; ``None`` means ``sys.stdout`` at the time of each print (so
             redirection and pytest's capture work).
         rank_zero_only: Print on rank 0 only (the default).
+        time_format: ``time.strftime`` format of the time that starts each line; ``None``: no time.
 
     Example::
 
         trainer = kiln.Trainer(model, loggers=[ConsoleLogger(log_interval=10)], ...)
     """
 
-    def __init__(self, log_interval: int = 1, stream: TextIO | None = None, *, rank_zero_only: bool = True) -> None:
+    def __init__(
+        self,
+        log_interval: int = 1,
+        stream: TextIO | None = None,
+        *,
+        rank_zero_only: bool = True,
+        time_format: str | None = "%H:%M:%S",
+    ) -> None:
         super().__init__(rank_zero_only=rank_zero_only)
         if not isinstance(log_interval, int) or log_interval < 1:
             raise ValueError(f"ConsoleLogger log_interval must be an int >= 1, got {log_interval!r}")
+        if time_format is not None and not isinstance(time_format, str):
+            raise ValueError(f"ConsoleLogger time_format must be a strftime string or None, got {time_format!r}")
         self.log_interval = log_interval
         self.stream = stream
+        self.time_format = time_format
 
     def _write(self, line: str) -> None:
+        if self.time_format is not None:
+            line = f"{time.strftime(self.time_format, time.localtime())} {line}"
         print(line, file=self.stream if self.stream is not None else sys.stdout)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
