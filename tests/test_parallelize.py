@@ -58,7 +58,15 @@ def _setup(strategy, *, precision="fp32", world_size=1, optimizer=True):
 
 # -- the order ------------------------------------------------------------------------------------
 def test_the_documented_order():
-    assert STEPS == ("placement", "float8", "tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
+    assert STEPS == (
+        "placement",
+        "float8",
+        "tensor_parallel",
+        "expert_parallel",
+        "activation_checkpointing",
+        "compile",
+        "data_parallel",
+    )
     assert WHOLE_MODEL_STEPS + STAGE_STEPS == STEPS and WHOLE_MODEL_STEPS == ("placement", "float8")
     doc = parallelize_module.__doc__
     positions = [doc.index(f"``{step}``") for step in STEPS]

@@ -243,7 +243,7 @@ def _strategy(args: TrainerArgs, ctx: Any) -> Any:
     options = dict(cc.strategy_options)
     if name == "hybrid":
         tp, pp = cc.mesh_degrees(args.pas_policy)
-        options = {"dp_replicate": cc.dp_replicate, "dp_shard": cc.dp_shard, "tp": tp, "pp": pp, **options}
+        options = {"dp_replicate": cc.dp_replicate, "dp_shard": cc.dp_shard, "tp": tp, "pp": pp, "ep": cc.ep, **options}
     return get_strategy(name, ctx, **options) if options else name
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from kiln.launch.context import Context
     from kiln.precision import Precision
 
-__all__ = ["FSDP", "Zero2", "Zero3", "apply_fsdp", "mixed_precision_policy"]
+__all__ = ["FSDP", "Zero2", "Zero3", "apply_fsdp", "fsdp_options", "mixed_precision_policy"]
 
 
 def mixed_precision_policy(precision: Precision):
@@ -43,6 +43,23 @@ def mixed_precision_policy(precision: Precision):
     return None
 
 
+def fsdp_options(
+    mesh, precision: Precision, *, reshard_after_forward: bool = True, cpu_offload: bool = False
+) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments for kiln's settings (every ``fully_shard`` kiln applies)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    policy = mixed_precision_policy(precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    # Pinned host memory needs CUDA; on a CPU-only machine the offload is a plain host copy.
+    kwargs["offload_policy"] = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+    return kwargs
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh,
@@ -54,16 +71,9 @@ def apply_fsdp(
 ) -> nn.Module:
     """``fully_shard`` each named block (deepest first: a wrapped block must not own its children's
     parameters), then the root, which takes whatever parameters are left."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    policy = mixed_precision_policy(precision)
-    if policy is not None:
-        kwargs["mp_policy"] = policy
-    # Pinned host memory needs CUDA; on a CPU-only machine the offload is a plain host copy.
-    kwargs["offload_policy"] = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    )
+    kwargs = fsdp_options(mesh, precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     for name in sorted(wrap, key=lambda n: -n.count(".")):
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)

@@ -9,6 +9,10 @@ holds when it is applied.
 
 ``dp_replicate > 1`` with ``dp_shard > 1`` is HSDP: parameters sharded within a group of
 ``dp_shard`` ranks and replicated across ``dp_replicate`` groups.
+
+``ep > 1`` is expert parallelism (:mod:`kiln.parallel.expert`): the experts of the model's
+:class:`kiln.models.MoE` layers split over ``ep`` ranks taken from ``dp_shard``, tokens sent to them
+with all-to-alls; the experts are FSDP-sharded over the rest of ``dp_shard``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kiln.parallel.expert import check_expert_parallel
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
@@ -33,7 +38,8 @@ __all__ = ["Hybrid"]
 
 
 class Hybrid(PipelineSteps):
-    """Several parallelisms at once on a validated 4-D mesh (``pp, dp_replicate, dp_shard, tp``).
+    """Several parallelisms at once on a validated 4-D mesh (``pp, dp_replicate, dp_shard, tp``),
+    with expert parallelism inside ``dp_shard``.
 
     Args:
         dp_replicate: data-parallel replica groups (HSDP's outer dimension).
@@ -41,6 +47,8 @@ class Hybrid(PipelineSteps):
         tp: tensor-parallel ranks; with ``tp_plan``, or the model's own plan (a Hugging Face
             model's ``base_model_tp_plan``, or a ``tp_plan`` attribute).
         pp: pipeline stages; needs ``split_points``.
+        ep: expert-parallel ranks (MoE experts split over them); must divide ``dp_shard`` and each
+            MoE layer's ``num_experts``; not with ``pp``.
         tp_plan: see :class:`kiln.parallel.TensorParallel`.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
         wrap / reshard_after_forward / cpu_offload: see :class:`kiln.parallel.FSDP`.
@@ -51,6 +59,7 @@ class Hybrid(PipelineSteps):
     Example::
 
         strategy = kiln.parallel.Hybrid(dp_shard=2, tp=2, tp_plan={"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
+        strategy = kiln.parallel.Hybrid(dp_shard=-1, ep=2)     # a MoE model: experts over 2 ranks
     """
 
     name = "hybrid"
@@ -62,6 +71,7 @@ class Hybrid(PipelineSteps):
         dp_shard: int = -1,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
         *,
         tp_plan: Mapping[str, Any] | None = None,
         split_points: Sequence[str] = (),
@@ -72,7 +82,12 @@ class Hybrid(PipelineSteps):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
     ) -> None:
-        self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+        self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep)
+        if ep > 1 and pp > 1:
+            raise ValueError(
+                f"Hybrid(ep={ep}, pp={pp}): expert parallelism does not run inside pipeline stages (a MoE "
+                "layer's token counts decide its all-to-all sizes, which a traced stage cannot); use pp=1 with ep"
+            )
         if pp > 1 and not split_points:
             raise ValueError(f"Hybrid(pp={pp}) needs split_points=[module names where stages begin]")
         if str(schedule).lower() not in SCHEDULES:
@@ -91,6 +106,7 @@ class Hybrid(PipelineSteps):
         dims = self.dims.resolve(ctx.world_size)
         tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
+        check_expert_parallel(model, dims.ep)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
             error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
@@ -153,13 +169,15 @@ class Hybrid(PipelineSteps):
             "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard,
             "tp": dims.tp,
+            "ep": dims.ep,
             "split_points": self.split_points,
             "schedule": self.schedule,
         }
 
     def __repr__(self) -> str:
         d = self.dims
-        return f"Hybrid(dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, tp={d.tp}, pp={d.pp})"
+        ep = f", ep={d.ep}" if d.ep > 1 else ""
+        return f"Hybrid(dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, tp={d.tp}, pp={d.pp}{ep})"
 
 
 def _restore_split_layers(stage: nn.Module, model: nn.Module, plan: Mapping[str, Any]) -> None:

@@ -5,13 +5,19 @@ The mesh dimensions are, outermost first, ``pp``, ``dp_replicate``, ``dp_shard``
 (consecutive ranks, usually one node), so tensor parallelism, which communicates every layer,
 gets the fastest links and pipeline parallelism, which sends one activation per microbatch, the
 slowest.
+
+Expert parallelism (``ep``) is no dimension of its own: it borrows its ranks from ``dp_shard``
+(torchtitan's layout), which :func:`ep_meshes` splits into ``(efsdp, ep)``, ``ep`` inner: an
+expert-parallel group is ``ep`` neighbouring data-parallel ranks, whose all-to-all every MoE layer
+runs twice per forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ParallelDims", "dp_mesh", "tp_mesh", "dp_coordinate"]
+__all__ = ["ParallelDims", "dp_mesh", "tp_mesh", "ep_meshes", "dp_coordinate"]
 
 _DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -25,6 +31,8 @@ class ParallelDims:
         dp_replicate: data-parallel replicas (HSDP's replicate dimension; gradients all-reduced).
         dp_shard: data-parallel shards (FSDP; parameters, gradients and optimizer state sharded).
         tp: tensor-parallel ranks.
+        ep: expert-parallel ranks, taken from ``dp_shard`` (which it must divide): MoE experts
+            are split over them (:mod:`kiln.parallel.expert`).
 
     Example::
 
@@ -36,9 +44,10 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in _DIMS:
+        for name in (*_DIMS, "ep"):
             value = getattr(self, name)
             fill = name == "dp_shard" and value == -1
             if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not fill):
@@ -46,7 +55,7 @@ class ParallelDims:
                 raise ValueError(f"parallel dimension {name}={value!r} must be {allowed}")
 
     def _text(self) -> str:
-        return ", ".join(f"{name}={getattr(self, name)}" for name in _DIMS)
+        return ", ".join(f"{name}={getattr(self, name)}" for name in (*_DIMS, "ep") if name != "ep" or self.ep > 1)
 
     def resolve(self, world_size: int) -> ParallelDims:
         """These sizes with ``dp_shard=-1`` filled in; a clear error when they do not fit ``world_size``."""
@@ -58,13 +67,23 @@ class ParallelDims:
                     f"pp*dp_replicate*tp = {others} must divide {world_size}; pick sizes whose product "
                     f"divides {world_size}, or launch a multiple of {others} processes"
                 )
-            return ParallelDims(self.pp, self.dp_replicate, world_size // others, self.tp)
+            return ParallelDims(self.pp, self.dp_replicate, world_size // others, self.tp, self.ep)._check_ep()
         product = others * self.dp_shard
         if product != world_size:
             raise ValueError(
                 f"parallel sizes ({self._text()}) multiply to {product} but the world has {world_size} "
                 f"processes; make pp*dp_replicate*dp_shard*tp equal {world_size}, or set dp_shard=-1 "
                 "to let it take the rest"
+            )
+        return self._check_ep()
+
+    def _check_ep(self) -> ParallelDims:
+        if self.dp_shard % self.ep:
+            fits = [d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]
+            raise ValueError(
+                f"parallel dimension ep={self.ep} must divide dp_shard={self.dp_shard} ({self._text()}): "
+                f"expert parallelism takes its ranks from dp_shard; use an ep in {fits}, or a dp_shard "
+                f"that is a multiple of {self.ep}"
             )
         return self
 
@@ -109,6 +128,19 @@ def tp_mesh(mesh, dims: ParallelDims):
     if mesh is None or dims.tp == 1:
         return None
     return mesh["tp"]
+
+
+def ep_meshes(mesh, dims: ParallelDims) -> tuple[Any, Any]:
+    """``(ep mesh, experts' FSDP mesh)``: ``dp_shard`` split into ``(efsdp, ep)``; the experts are
+    sharded over ``ep`` and FSDP-sharded over ``efsdp`` (with ``dp_replicate``: HSDP over
+    ``(dp_replicate, efsdp)``). ``(None, None)`` without expert parallelism."""
+    if mesh is None or dims.ep == 1:
+        return None, None
+    # _unflatten makes the two sub-meshes (and their groups) on the same root mesh, which FSDP
+    # needs to shard the experts' ep DTensors again over efsdp (as for tp x dp_shard).
+    split = mesh._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
+    experts_dp = split["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else split["efsdp"]
+    return split["ep"], experts_dp
 
 
 def dp_coordinate(mesh, dims: ParallelDims) -> int:

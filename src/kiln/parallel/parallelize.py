@@ -13,11 +13,14 @@ differ; the defaults are the functions below):
 (pipeline cut)                ``pp``/``hybrid`` cut the model into stages here; the steps below run on
                               each stage (on the whole model without a pipeline)
 ``tensor_parallel``           split Linear/Embedding weights over the ``tp`` mesh (``tp``, ``hybrid``)
+``expert_parallel``           split the experts of MoE layers over the ``ep`` mesh, tokens sent to them
+                              with all-to-alls (``hybrid``; :mod:`kiln.parallel.expert`)
 ``activation_checkpointing``  recompute the activations of the blocks (or those a callable chose) in the
                               backward: ``"full"``, ``"selective"`` (op-level), ``"selective:N"``
 ``compile``                   ``torch.compile`` each block's forward (the whole module when it has none)
 ``data_parallel``             ``fully_shard`` each block, then the root, over the data-parallel mesh
-                              (``zero2``, ``zero3``/``fsdp``, ``hybrid``); ``ddp``/``zero1`` override it
+                              (``zero2``, ``zero3``/``fsdp``, ``hybrid``; with ``ep``, each MoE layer's
+                              experts first, over their own mesh); ``ddp``/``zero1`` override it
                               to wrap the model in ``DistributedDataParallel``
 ============================  ===========================================================================
 
@@ -33,6 +36,12 @@ Why the order matters:
 * Tensor parallelism before checkpointing and compile: it turns weights into DTensors and adds the
   input/output redistributions around each layer, which the recomputation must repeat and the
   compiled graph must contain (compiling first would trace the unsharded forward).
+* Expert parallelism with tensor parallelism (torchtitan applies both in one step), after it and
+  for the same reasons: it turns the experts' weights into DTensors on the ``ep`` mesh and puts
+  the all-to-alls into the MoE layers' forward, which checkpointing must recompute (the
+  all-to-alls run again in the backward, on every rank alike) and compile must trace; FSDP then
+  shards the experts' DTensors again over the ranks that hold the same experts. The two touch
+  different layers (tensor parallelism leaves the experts whole).
 * Activation checkpointing before compile: compile then traces the checkpointed block, so the
   recomputation is inside the compiled graph (torchtitan: checkpointing, then compile). The one
   exception, a torch bug with whole-block checkpointing over tensor-parallel weights, is in
@@ -72,7 +81,7 @@ from kiln.parallel.levers import (
     compile_module,
     outermost,
 )
-from kiln.parallel.mesh import ParallelDims, dp_mesh, tp_mesh
+from kiln.parallel.mesh import ParallelDims, dp_mesh, ep_meshes, tp_mesh
 
 if TYPE_CHECKING:
     import torch
@@ -92,12 +101,21 @@ __all__ = [
     "apply_placement",
     "apply_float8",
     "apply_tensor_parallel",
+    "apply_expert_parallel",
     "apply_activation_checkpointing",
     "apply_compile",
     "fully_shard_blocks",
 ]
 
-STEPS = ("placement", "float8", "tensor_parallel", "activation_checkpointing", "compile", "data_parallel")
+STEPS = (
+    "placement",
+    "float8",
+    "tensor_parallel",
+    "expert_parallel",
+    "activation_checkpointing",
+    "compile",
+    "data_parallel",
+)
 # A pipeline runs these on the whole model, cuts it into stages, and runs the rest on each stage.
 WHOLE_MODEL_STEPS = STEPS[:2]
 STAGE_STEPS = STEPS[2:]
@@ -245,6 +263,8 @@ class ParallelizePlan:
         dims / mesh: the validated sizes and their ``DeviceMesh`` (None: no mesh, or a world of 1).
         tp_mesh / tp_plan: tensor parallelism (``tp_mesh`` None: off); ``tp_plan`` is resolved.
         dp_mesh: the mesh FSDP shards over (None: no sharding).
+        ep_mesh / experts_dp_mesh: expert parallelism's mesh (None: off) and the mesh FSDP shards
+            the experts over (``efsdp``, or ``dp_replicate x efsdp``); see :mod:`kiln.parallel.expert`.
         reshard_after_forward / cpu_offload: FSDP's settings.
         checkpointed: the modules activation checkpointing wraps (None: not chosen yet).
     """
@@ -258,6 +278,8 @@ class ParallelizePlan:
     tp_mesh: Any = None
     tp_plan: Mapping[str, Any] = field(default_factory=dict)
     dp_mesh: Any = None
+    ep_mesh: Any = None
+    experts_dp_mesh: Any = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # Filled by parallelize() on the whole model, before any step: a pipeline stage is a traced
@@ -270,7 +292,17 @@ class ParallelizePlan:
         raise a one-line ``ValueError`` naming them, before any process group is made."""
         dims = dims.resolve(ctx.world_size)
         mesh = dims.build_mesh(ctx.device.type)
-        return cls(ctx=ctx, dims=dims, mesh=mesh, tp_mesh=tp_mesh(mesh, dims), dp_mesh=dp_mesh(mesh, dims), **fields)
+        ep, experts_dp = ep_meshes(mesh, dims)
+        return cls(
+            ctx=ctx,
+            dims=dims,
+            mesh=mesh,
+            tp_mesh=tp_mesh(mesh, dims),
+            dp_mesh=dp_mesh(mesh, dims),
+            ep_mesh=ep,
+            experts_dp_mesh=experts_dp,
+            **fields,
+        )
 
 
 # -- the pipeline -----------------------------------------------------------------------------------
@@ -345,6 +377,16 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     return apply_tp(model, plan.tp_mesh, {p: s for p, s in plan.tp_plan.items() if matching_modules(model, p)})
 
 
+def apply_expert_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+    """Split each :class:`kiln.models.MoE` layer's experts over ``plan.ep_mesh`` and dispatch its
+    tokens with all-to-alls (:mod:`kiln.parallel.expert`). Does nothing without an ``ep_mesh``."""
+    if plan.ep_mesh is None:
+        return model
+    from kiln.parallel.expert import apply_expert_parallel as split_experts
+
+    return split_experts(model, plan.ep_mesh)
+
+
 def apply_activation_checkpointing(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     """Recompute the activations of ``plan.checkpointed`` (those ``model`` holds) in the backward,
     in place: names, and so checkpoints, stay those of the plain model. Does nothing with
@@ -374,12 +416,23 @@ def apply_compile(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
 
 
 def fully_shard_blocks(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """FSDP2 over ``plan.dp_mesh``: each of ``plan.blocks`` that ``model`` holds, then the root.
+    """FSDP2 over ``plan.dp_mesh``: each of ``plan.blocks`` that ``model`` holds, then the root
+    (with expert parallelism, each MoE layer's experts first, over ``plan.experts_dp_mesh``).
     Does nothing without a ``dp_mesh``."""
     if plan.dp_mesh is None:
         return model
     from kiln.parallel.fsdp import apply_fsdp
 
+    if plan.experts_dp_mesh is not None:  # the experts on their own mesh, before their blocks take them
+        from kiln.parallel.expert import fully_shard_experts
+
+        fully_shard_experts(
+            model,
+            plan.experts_dp_mesh,
+            plan.precision,
+            reshard_after_forward=plan.reshard_after_forward,
+            cpu_offload=plan.cpu_offload,
+        )
     return apply_fsdp(
         model,
         plan.dp_mesh,

@@ -19,7 +19,7 @@ strategy it runs under (Lightning Fabric's pattern):
 
 A strategy overrides only what differs from a single device. ``setup`` runs the model
 transformations the strategy declares in ``steps`` (placement, float8, tensor parallel,
-activation checkpointing, compile, data parallel), always in the order of
+expert parallel, activation checkpointing, compile, data parallel), always in the order of
 :mod:`kiln.parallel.parallelize`, each through an ``apply_<step>`` method that a strategy may
 override on its own; ``parallelize_plan`` validates the strategy's options and builds its mesh
 before the first step. The checkpoint layer asks for model and optimizer state
@@ -126,6 +126,9 @@ class Strategy:
 
     def apply_tensor_parallel(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
         return _steps.apply_tensor_parallel(model, plan)
+
+    def apply_expert_parallel(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
+        return _steps.apply_expert_parallel(model, plan)
 
     def apply_activation_checkpointing(self, model: nn.Module, plan: ParallelizePlan) -> nn.Module:
         return _steps.apply_activation_checkpointing(model, plan)

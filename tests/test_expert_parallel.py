@@ -1,0 +1,182 @@
+"""Expert parallelism (kiln.parallel.expert, Hybrid(ep=...), compute_config.ep) against one process.
+
+Parity (workers/moe_parity_worker.py): a tiny kiln.models.MoELlama in float64 trained with plain
+SGD for 3 steps, each rank on its data-parallel share, against a plain torch loop on the whole
+batch in one process: every step's loss (aux loss included), the first step's full gradients and
+every weight and buffer after 3 steps within TOL = 1e-9. Cases: EP 2 on 2 ranks (efsdp 1); on 4
+ranks EP 2 x FSDP 2 (the experts FSDP-sharded over the 2 ranks holding the same experts), EP 2 x TP
+2 and EP 2 x HSDP (dp_replicate 2). Variants: softmax routing with the aux loss; DeepSeek-V3's
+sigmoid routing with a shared expert and bias balancing (the bias update's all-reduce); clipping
+at 0.05, under every step's norm (the global norm over DTensors on the experts' and the blocks' meshes).
+
+Margin, measured (torch 2.13, CPU, gloo): at most 1.8e-15 in losses, 5.6e-17 in gradients and
+2.2e-16 in weights. The worker also runs EP 2 with ExpertParallel.combine returning twice the
+experts' outputs (a 2x error in the combine weights): losses off by 1.5e-2, gradients by 9.9e-3,
+weights by 7.1e-3, and the test asserts that it fails the same check.
+
+Checked by breaking the code on purpose: without the experts' 1/ep gradient scale, EP 2 fails
+(expert gradients twice the one-process ones: off by 8.2e-3, weights by 7.1e-3); with FSDP's
+set_gradient_divide_factor(dp) instead of that scale, EP 2 on 2 ranks fails (torch 2.13 divides
+twice when the reduce-scatter group has one rank and the gradients are float64: half the expert
+gradients, off by 4.1e-3).
+
+Resharding (workers/moe_reshard_worker.py): the Trainer saves a sharded checkpoint under EP 2 on
+2 ranks (AdamW, 2 batches); loaded on 1 process (single) and on 4 ranks (EP 4), weights and AdamW
+state equal the saved ones exactly, and one more batch on each gives the same weights within TOL.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from distributed import WORKERS, check, kiln_run
+from kiln.config.args import load_trainer_args
+from kiln.config.overrides import ConfigError
+from kiln.parallel import Hybrid, ParallelDims
+from kiln.parallel.expert import check_expert_parallel
+
+TOL = 1e-9
+TWO_RANKS = ["ep2:plain", "ep2:bias", "ep2:clip", "ep2_broken_combine:plain"]
+FOUR_RANKS = ["ep2_fsdp2:plain", "ep2_fsdp2:clip", "ep2_tp2:plain", "ep2_hsdp:plain"]
+
+
+def _launch(tmp_path_factory, nproc, cases):
+    out = tmp_path_factory.mktemp(f"moe_parity{nproc}")
+    check(kiln_run(WORKERS / "moe_parity_worker.py", str(out), *cases, nproc=nproc, timeout=300))
+    return json.loads((out / "moe_parity.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, FOUR_RANKS)
+
+
+def _failures(r):
+    found = []
+    if r["loss_abs"] >= TOL:
+        found.append(f"losses differ by {r['loss_abs']:.3g}")
+    for key, what in (("grad", "first-step gradients"), ("weight", "weights after 3 steps")):
+        if r[f"{key}_missing"]:
+            found.append(f"{what} lack {r[f'{key}_missing']}")
+        if r[f"{key}_abs"] >= TOL or r[f"{key}_rel"] >= TOL:
+            found.append(f"{what} differ by {r[f'{key}_abs']:.3g} ({r[f'{key}_rel']:.3g} relative)")
+    return found
+
+
+def _check(results, case):
+    r = results[case]
+    assert not _failures(r), f"{case}: {'; '.join(_failures(r))}"
+    if "clip" in r:  # every step clipped
+        assert min(r["ref_norms"]) > 2 * r["clip"], r["ref_norms"]
+    if "bias_abs" in r:  # the balancing moved the bias, so the parity covers its update
+        assert r["bias_abs"] > 1e-3
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("case", [c for c in TWO_RANKS if "broken" not in c])
+def test_expert_parallel_equals_one_process_two_ranks(two_ranks, case):
+    _check(two_ranks, case)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("case", FOUR_RANKS)
+def test_expert_parallel_equals_one_process_four_ranks(four_ranks, case):
+    _check(four_ranks, case)
+
+
+@pytest.mark.world_size(2)
+def test_a_doubled_combine_fails_the_parity_check(two_ranks):
+    r = two_ranks["ep2_broken_combine:plain"]
+    failures = _failures(r)
+    assert len(failures) == 3, failures  # losses, gradients and weights all off
+    assert r["loss_abs"] > 1e6 * TOL and r["grad_abs"] > 1e6 * TOL and r["weight_abs"] > 1e6 * TOL, r
+
+
+@pytest.mark.world_size(4)
+def test_checkpoints_load_across_expert_parallel_sizes(tmp_path):
+    worker = WORKERS / "moe_reshard_worker.py"
+    check(kiln_run(worker, str(tmp_path), "save", "2", nproc=2, timeout=300))
+    check(kiln_run(worker, str(tmp_path), "load", "1", nproc=1, timeout=300))
+    check(kiln_run(worker, str(tmp_path), "load", "4", nproc=4, timeout=300))
+    for world in (1, 4):
+        report = json.loads((tmp_path / f"loaded_{world}.json").read_text())
+        assert report["batch"] == 2, report
+        for key in ("weights", "optimizer"):
+            assert not report[f"{key}_missing"] and not report[f"{key}_extra"], report
+            assert report[f"{key}_abs"] == 0.0, (world, key, report[f"{key}_abs"])
+        assert report["weights_count"] == 23 and report["optimizer_count"] == 3 * 23  # step, exp_avg, exp_avg_sq
+        assert len(report["expert_keys"]) == 6  # 2 layers x w1, w2, w3, each whole (num_experts, ...)
+    one, four = (torch.load(tmp_path / f"final_{w}.pt", weights_only=True) for w in (1, 4))
+    saved = torch.load(tmp_path / "saved.pt", weights_only=True)["weights"]
+    assert max((one[k] - four[k]).abs().max().item() for k in one) < TOL
+    assert max((one[k] - saved[k]).abs().max().item() for k in one) > 1e6 * TOL  # the extra step moved them
+
+
+# -- sizes and errors, before any process group ------------------------------------------------------
+def test_ep_must_divide_dp_shard():
+    assert ParallelDims(dp_shard=-1, tp=2, ep=2).resolve(8).dp_shard == 4
+    with pytest.raises(ValueError) as err:
+        ParallelDims(dp_shard=-1, ep=4).resolve(6)
+    assert str(err.value) == (
+        "parallel dimension ep=4 must divide dp_shard=6 (pp=1, dp_replicate=1, dp_shard=6, tp=1, ep=4): expert "
+        "parallelism takes its ranks from dp_shard; use an ep in [1, 2, 3, 6], or a dp_shard that is a multiple of 4"
+    )
+    with pytest.raises(ValueError, match=r"^parallel dimension ep=0 must be an integer >= 1$"):
+        ParallelDims(ep=0)
+
+
+def _moe_model(num_experts=4):
+    import kiln
+
+    return kiln.models.MoELlama(vocab_size=16, dim=16, num_layers=1, num_heads=2, num_experts=num_experts, top_k=2)
+
+
+def test_ep_must_divide_every_layers_experts_and_needs_moe_layers():
+    check_expert_parallel(_moe_model(4), 4)
+    with pytest.raises(ValueError) as err:
+        check_expert_parallel(_moe_model(6), 4)
+    assert str(err.value) == (
+        "ep=4 does not divide num_experts=6 of MoE layer 'layers.0.feed_forward' (each rank holds num_experts / ep "
+        "whole experts); use an ep in [1, 2, 3, 6]"
+    )
+    with pytest.raises(ValueError, match=r"^ep=2 splits the experts of kiln.models.MoE layers over ranks, and Linear"):
+        check_expert_parallel(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match=r"^Hybrid\(ep=2, pp=2\): expert parallelism does not run inside pipeline"):
+        Hybrid(ep=2, pp=2, split_points=["layers.0"])
+
+
+def _args(**compute):
+    return {
+        "compute_config": compute,
+        "model": {"type": "kiln.models.MoELlama", "args": {"num_experts": 4}},
+        "optimizer": {"type": "torch.optim.SGD", "args": {"lr": 0.1}},
+        "dataset": {"type": "torch.utils.data.TensorDataset"},
+        "max_train_steps": 1,
+    }
+
+
+def test_compute_config_ep_selects_hybrid_with_ep():
+    from kiln.config.trainer_builder import _strategy
+
+    args = load_trainer_args(_args(ep=2), world_size=4).resolve(4)
+    assert args.compute_config.strategy_name(args.pas_policy, 4) == "hybrid"
+    strategy = _strategy(args, types.SimpleNamespace(world_size=4))
+    assert isinstance(strategy, Hybrid) and strategy.dims == ParallelDims(dp_shard=-1, ep=2)
+
+
+def test_compute_config_ep_that_does_not_divide_dp_shard_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        load_trainer_args(_args(ep=4, tp=2), world_size=4).resolve(4)
+    assert str(err.value) == (
+        "compute_config.ep: got 4 (int), expected a divisor of dp_shard = 2 in a world of 4 (expert parallelism takes "
+        "its ranks from dp_shard)"
+    )
