@@ -40,12 +40,19 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 # Lint first: it fails in seconds, before the DeepSpeed build and the suite.
-# KILN_TEST_REQUIRE: optional packages (and tools) whose tests must run here rather than skip:
-# deepspeed always; a value from the environment is added (.ci/run adds chromium).
+# KILN_TEST_REQUIRE: optional packages (by import name) and tools whose tests must run here rather
+# than skip (tests/conftest.py): deepspeed and every optional package the dev extra installs; a
+# value from the environment is added (.ci/run adds chromium).
+# pytest-xdist: TEST_WORKERS processes (0: the suite in one process), each running a whole file at
+# a time (--dist loadfile: a module-scoped launch is made once), files handed out in the order
+# tests/conftest.py gives them (the longest first) rather than xdist's (most tests first).
 comma := ,
-TEST_REQUIRE := deepspeed$(if $(KILN_TEST_REQUIRE),$(comma)$(KILN_TEST_REQUIRE))
+TEST_OPTIONAL := deepspeed,transformers,torchao,torchdata,datasets,matplotlib,tensorboard,wandb,mlflow,sklearn
+TEST_OPTIONAL := $(TEST_OPTIONAL),fsspec,s3fs,moto,build,mkdocs,mkdocstrings
+TEST_REQUIRE := $(TEST_OPTIONAL)$(if $(KILN_TEST_REQUIRE),$(comma)$(KILN_TEST_REQUIRE))
+TEST_WORKERS ?= 2
 test: lint $(DS_STAMP)
-	KILN_TEST_REQUIRE=$(TEST_REQUIRE) $(PY) -m pytest -q
+	KILN_TEST_REQUIRE=$(TEST_REQUIRE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (mkdocs.yml) into $(SITE_DIR), built strictly: a broken link, nav entry
 # or API reference fails it. tests/test_docs.py runs the same build into a temporary folder, so

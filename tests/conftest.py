@@ -1,8 +1,15 @@
-"""Shared fixtures: every test starts with no process group, no kiln context and its own env."""
+"""Shared fixtures: every test starts with no process group, no kiln context and its own env.
+
+KILN_TEST_REQUIRE (comma-separated; `make test` sets it) names the optional packages, by import
+name, whose tests must run here: a test or test file that ``pytest.importorskip`` would skip
+because one of them is missing, or fails to import a module it needs, fails instead. Without the
+variable (a plain ``pytest`` without the extras) those tests skip.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -10,6 +17,65 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+
+# pytest.importorskip's skip reasons (a missing module, or one older than minversion)
+_IMPORT_SKIP = re.compile(r"^(?:could not import|module) '([\w.]+)'")
+
+
+def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Turn an importorskip skip of a module KILN_TEST_REQUIRE names into a failure."""
+    if not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    reason = report.longrepr[2].removeprefix("Skipped: ")
+    found = _IMPORT_SKIP.match(reason)
+    required = os.environ.get("KILN_TEST_REQUIRE", "").split(",")
+    if found and found.group(1).partition(".")[0] in required:
+        report.outcome = "failed"
+        report.longrepr = f"KILN_TEST_REQUIRE names {found.group(1).partition('.')[0]}, so this must run: {reason}"
+
+
+# The files that take longest (a minute or more each on 2 cores), longest first; the rest follow in
+# their usual order. `make test` hands whole files to its pytest-xdist workers in this order (--dist
+# loadfile --no-loadscope-reorder), each taking the next file as it finishes one, so no worker is
+# left running a long file alone at the end.
+LONGEST_FIRST = (
+    "test_levers.py",
+    "test_clean_exit.py",
+    "test_deepspeed.py",
+    "test_migrate.py",
+    "test_hygiene.py",
+    "test_resume_full.py",
+    "test_packaging.py",
+    "test_hf_models.py",
+    "test_examples.py",
+    "test_checkpoint_storage.py",
+    "test_checkpoint_resume.py",
+    "test_resume_world_size.py",
+    "test_golden_runs.py",
+    "test_parallel.py",
+    "test_parallel_sgd.py",
+    "test_cli_train.py",
+    "test_hooks.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file stays together
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _required_import_skipped(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _required_import_skipped(report)
+    return report
 
 
 @pytest.fixture(autouse=True)

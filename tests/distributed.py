@@ -12,10 +12,34 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"
 
 
+# Rendezvous ports: below Linux's ephemeral range (32768-60999), where no connection's local port
+# and no port-0 server (torchrun --standalone, gloo) lands, split into one block per pytest-xdist
+# worker (gw0, gw1, ...), so two workers' tests are never handed the same port; each port is
+# handed out once per session. The walk through a block starts at an offset from the pid, so
+# another pytest on the same machine (another checkout) tends to be elsewhere; a port something
+# else holds is passed over.
+_PORTS = range(20000, 32000)
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that is free now and that no other test of this session is handed."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER") or "gw0"
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    size = len(_PORTS) // max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1), index + 1)
+    first = _PORTS.start + index * size
+    if not _next_port:
+        _next_port.append(os.getpid() % size)
+    for _ in range(size):
+        port = first + _next_port[0] % size
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # held by something else, or still in TIME_WAIT
+                continue
+        return port
+    raise RuntimeError(f"no free port in {first}-{first + size - 1} for pytest-xdist worker {worker}")
 
 
 def base_env() -> dict[str, str]:
