@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -82,10 +81,8 @@ def test_config_cli_timeout_is_checked_and_reaches_the_launcher(tmp_path, monkey
 # -- the heartbeat, in one process ----------------------------------------------------------------
 @pytest.fixture
 def store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    # port 0: the store binds a free port itself and holds it (no other test or xdist worker can take it)
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
 
 
 def _peer(store, rank, where, waiting=False):
