@@ -8,17 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kiln.launch.environments import SLURM_PORT_BASE, SLURM_PORT_SPAN
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).parent / "workers"
 
 
 # Rendezvous ports: below Linux's ephemeral range (32768-60999), where no connection's local port
-# and no port-0 server (torchrun --standalone, gloo) lands, split into one block per pytest-xdist
-# worker (gw0, gw1, ...), so two workers' tests are never handed the same port; each port is
-# handed out once per session. The walk through a block starts at an offset from the pid, so
-# another pytest on the same machine (another checkout) tends to be elsewhere; a port something
-# else holds is passed over.
-_PORTS = range(20000, 32000)
+# and no port-0 server (torchrun --standalone, gloo) lands, and above the ports kiln derives from a
+# SLURM job id (tests/test_launch_join.py); split into one block per pytest-xdist worker (gw0, gw1,
+# ...), so two workers' tests are never handed the same port, and each port handed out once per
+# session. The walk through a block starts at an offset from the pid, so another pytest on the same
+# machine (another checkout) tends to be elsewhere; a port something else holds is passed over.
+_PORTS = range(SLURM_PORT_BASE + SLURM_PORT_SPAN, 32768)
 _next_port: list[int] = []
 
 
