@@ -293,7 +293,8 @@ def test_yaml_block_is_a_run_file_kilns_loader_accepts(block, monkeypatch, tmp_p
         if block.how and block.how.startswith("base: "):
             config = _merge(yaml.safe_load((ROOT / block.how.split()[1]).read_text()), config)
     cc = config.get("compute_config") or {}
-    world = cc.get("runtime_ngpus") or cc.get("plan_ngpus") or cc.get("tp", 1) * cc.get("pp", 1)  # what it is for
+    # what it is for: a model replica's ranks, times the expert-parallel ranks (taken from dp_shard)
+    world = cc.get("runtime_ngpus") or (cc.get("plan_ngpus") or cc.get("tp", 1) * cc.get("pp", 1)) * cc.get("ep", 1)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = _load_run_file(config, world_size=world)
     assert args.model.type, block.id

@@ -37,7 +37,11 @@ __all__ = ["MoELlamaConfig", "MoELlama"]
 
 @dataclass(frozen=True, kw_only=True)
 class MoELlamaConfig:
-    """The sizes of a :class:`MoELlama`; the MoE fields are :class:`kiln.models.moe.MoE`'s.
+    """The sizes of a :class:`MoELlama`.
+
+    The fields ``num_experts``, ``top_k``, ``score_func``, ``route_norm``, ``route_scale``,
+    ``num_shared_experts``, ``load_balance``, ``aux_loss_coef``, ``bias_update_rate`` and
+    ``capacity_factor`` are the options of every MoE layer (see :class:`kiln.models.moe.MoE`).
 
     Args:
         vocab_size / dim / num_layers / num_heads: the decoder's sizes.
@@ -46,8 +50,6 @@ class MoELlamaConfig:
         dense_hidden_dim: the dense layers' feed-forward width (None: ``4 * dim``).
         num_dense_layers: the first blocks keep a dense feed-forward.
         moe_hidden_dim: each expert's hidden width (None: ``2 * dim``).
-        num_experts / top_k / score_func / route_norm / route_scale / num_shared_experts /
-            load_balance / aux_loss_coef / bias_update_rate / capacity_factor: see :class:`MoE`.
     """
 
     vocab_size: int = 256
