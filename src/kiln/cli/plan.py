@@ -12,16 +12,26 @@ one microbatch (``micro_batch_size`` samples) of the run file's training dataset
 strategy with every block checkpointed (``+ckpt``), which ``auto`` picks when nothing else fits.
 With ``-f`` the run file is read and checked as ``kiln train`` reads it, and its model and
 optimizer are planned; :func:`kiln.parallel.plan.plan_table` does the work.
+
+    kiln plan -f run.yaml --world-size 512 --dry-run [--json] [--dotted.key value ...]
+
+``--dry-run`` runs the run itself instead of estimating it: its setup (mesh, every parallelize
+step, the optimizer) and one training step, as the first rank of each pipeline stage of a world of
+``--world-size``, in this process, on torch's fake process group and fake tensors; it prints what
+each of those ranks holds and moves (:mod:`kiln.parallel.dry_run`), or with ``--json`` the same
+report as one JSON object. A configuration error is the real run's one line, with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from typing import Any
 
-__all__ = ["add_parser", "run", "load_object"]
+__all__ = ["add_parser", "run", "load_object", "dry_run_command"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -74,6 +84,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the run's checkpointing ('full', 'selective', 'selective:N'): activations are measured with it",
     )
+    p.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="with -f: run the run's setup and one training step as each pipeline stage's first rank of "
+        "--world-size ranks, on a fake process group and fake tensors, and report what each holds and moves",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the report as one JSON object")
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -140,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln.parallel.plan import activation_summary, format_table, plan_table
 
     extra = list(getattr(args, "extra", []) or [])
+    if args.dry_run or args.json:
+        return _dry_run(args, extra)
     if (args.file is None) == (args.model is None):
         print(
             "kiln plan: pass -f run.yaml, or --model package.module:Name (a model class or a function returning one)",
@@ -179,4 +200,69 @@ def run(args: argparse.Namespace) -> int:
     summary = activation_summary(rows)
     if summary:
         print(summary)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from kiln.config.args import load_trainer_args
+    from kiln.config.overrides import ConfigError
+
+    refused = [
+        flag
+        for flag, given in (
+            ("--model", args.model),
+            ("--optimizer", args.optimizer),
+            ("--budget", args.budget),
+            ("--input-shape", args.input_shape),
+            ("--activation-checkpointing", args.activation_checkpointing),
+        )
+        if given is not None
+    ]
+    if not args.dry_run:
+        refused = ["--json (it prints the --dry-run report)"]
+    if args.file is None or refused:
+        print(
+            f"kiln plan: --dry-run runs a run file: pass -f run.yaml (and dotted overrides), without "
+            f"{', '.join(refused) or '--model'}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.world_size is not None and args.world_size < 1:
+        print(f"kiln plan: --world-size={args.world_size} must be >= 1", file=sys.stderr)
+        return 2
+    if os.getcwd() not in sys.path:  # components resolve from the working directory, as kiln train's do
+        sys.path.insert(0, os.getcwd())
+    try:
+        world = args.world_size or _run_file_world(args.file)
+        trainer_args = load_trainer_args(args.file, extra, world_size=world)
+    except ConfigError as exc:
+        print(f"kiln plan: error: {exc}", file=sys.stderr)
+        return 2
+    return dry_run_command(trainer_args, world, as_json=args.json, prog="kiln plan")
+
+
+def _run_file_world(path: str) -> int:
+    """The world a run file is for: its ``compute_config.runtime_ngpus``, else 1."""
+    if str(path).endswith((".yaml", ".yml")):
+        from kiln.config.overrides import load_yaml
+
+        return int((load_yaml(path).get("compute_config") or {}).get("runtime_ngpus") or 1)
+    return 1
+
+
+def dry_run_command(trainer_args: Any, world_size: int, *, as_json: bool = False, prog: str = "kiln plan") -> int:
+    """Dry-run a resolved run (:func:`kiln.parallel.dry_run.dry_run`) and print its report: text, or
+    one JSON object. A configuration error prints the real run's one line and returns 2."""
+    import json
+
+    from kiln.parallel.dry_run import dry_run
+
+    try:
+        report = dry_run(trainer_args, world_size)
+    except (ValueError, TypeError) as exc:  # ConfigError is a ValueError; so are the strategies' checks
+        if os.environ.get("KILN_DEBUG") == "1":
+            traceback.print_exception(exc)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=None) if as_json else report.format())
     return 0

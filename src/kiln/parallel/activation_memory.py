@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["ActivationEstimate", "estimate_activations", "checkpointed_modules"]
@@ -62,50 +63,103 @@ class ActivationEstimate:
     method: str = "fake tensors"
 
 
+def _key(t: torch.Tensor) -> int | None:
+    """What identifies ``t``'s storage while it lives (None for a wrapper subclass: a DTensor)."""
+    return None if is_traceable_wrapper_subclass(t) else StorageWeakRef(t.untyped_storage()).cdata
+
+
 class _LiveBytes(TorchDispatchMode):
-    """The bytes of the tensor storages the ops create, over time: each op's new outputs, and the
-    storages freed since the last op (polled through weak references after every op). The storages
-    of ``baseline`` (parameters, buffers, the input) exist before and are never counted, nor are
-    their views (a transposed weight)."""
+    """The bytes of the tensor storages the ops create, over time: each op's new outputs, and each
+    storage freed, as it is freed (a weak reference's callback: torch keeps one Python object per
+    storage while the storage lives). The storages of ``baseline`` (parameters, buffers, the input)
+    exist before and are never counted, nor are their views (a transposed weight)."""
 
     def __init__(self, baseline: list[torch.Tensor]) -> None:
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int, int]] = {}  # storage -> (ref, bytes, serial)
+        self.live: dict[int, tuple[weakref.ref, int, int]] = {}  # storage -> (ref, bytes, serial)
         self.events: list[tuple[int, int]] = []  # (serial, +bytes / -bytes), in order
         self._serial = 0
         self._baseline = {StorageWeakRef(t.untyped_storage()).cdata for t in baseline}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        for key, (ref, nbytes, serial) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-                self.events.append((serial, -nbytes))
+        # An output on an input's storage (a view, an in-place op, a collective into its buffer)
+        # allocated nothing: its storage is counted where it was made, or made before the count began.
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
                 self.track(t)
         return out
 
-    def track(self, t: torch.Tensor) -> int:
-        """Count ``t``'s storage from now on (once); its serial."""
-        storage = t.untyped_storage()
-        ref = StorageWeakRef(storage)
-        if ref.cdata in self._baseline:
-            return 0
-        # a storage's address is unique while our weak reference holds it: it identifies the storage
-        if ref.cdata not in self.live:
-            self._serial += 1
-            self.live[ref.cdata] = (ref, storage.nbytes(), self._serial)
-            self.events.append((self._serial, storage.nbytes()))
-        return self.live[ref.cdata][2]
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        entry = self.live.get(key)
+        if entry is not None and entry[0] is ref:
+            del self.live[key]
+            self.events.append((entry[2], -entry[1]))
 
-    def peak(self, exclude: set[int]) -> int:
+    def _add(self, key: int, storage: torch.UntypedStorage, nbytes: int) -> int:
+        self._serial += 1
+        ref = weakref.ref(storage, functools.partial(self._freed, key))
+        self.live[key] = (ref, nbytes, self._serial)
+        self.events.append((self._serial, nbytes))
+        return self._serial
+
+    def track(self, t: torch.Tensor) -> int:
+        """Count ``t``'s storage from now on (once); its serial. A wrapper subclass (a DTensor) holds
+        no memory of its own: the tensors it wraps are counted when the ops on them run."""
+        if is_traceable_wrapper_subclass(t):
+            return 0
+        storage = t.untyped_storage()
+        # a storage's address is unique while it lives, and its death removes it from live
+        key = StorageWeakRef(storage).cdata
+        if key in self._baseline:
+            return 0
+        if key not in self.live:
+            return self._add(key, storage, storage.nbytes())
+        return self.live[key][2]
+
+    def peak(self, exclude: set[int], upto: int | None = None) -> int:
+        """The most bytes alive at once, over the first ``upto`` events (all: None), leaving out
+        the storages of the serials in ``exclude``."""
         live = peak = 0
-        for serial, delta in self.events:
+        for serial, delta in self.events[:upto]:
             if serial not in exclude:
                 live += delta
                 peak = max(peak, live)
         return peak
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` changed size: the difference is counted; a storage grown from nothing that
+        is not counted yet is counted from now on (FSDP2 frees a gathered parameter's storage with
+        ``resize_(0)`` and allocates it again with ``resize_(n)``)."""
+        key = StorageWeakRef(storage).cdata
+        if key in self._baseline:
+            return
+        nbytes = storage.nbytes()
+        if key not in self.live:
+            if nbytes:
+                self._add(key, storage, nbytes)
+            return
+        ref, counted, serial = self.live[key]
+        self.live[key] = (ref, nbytes, serial)
+        self.events.append((serial, nbytes - counted))
+
+    @contextlib.contextmanager
+    def watching_resizes(self) -> Iterator[None]:
+        """Count storage resizes too until the block ends. ``UntypedStorage.resize_`` is no tensor op,
+        so no dispatch mode sees it; it is wrapped for the block, as torch's own ``MemTracker`` does."""
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = original(storage, size)
+            self.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign, assignment]  # same signature
+        try:
+            yield
+        finally:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 def checkpointed_modules(model: nn.Module, activation_checkpointing: Any) -> tuple[list[str], bool]:

@@ -460,7 +460,9 @@ class PipelineSteps(Strategy):
         """The whole-model steps, then the cut into stages (on the first batch, or now from
         ``example_input``), then the per-stage steps on each of this rank's stages (see
         :mod:`kiln.parallel.parallelize`). Returns the module to train with."""
-        model = parallelize(self, model, plan, only=WHOLE_MODEL_STEPS)
+        # with the optimizer: a whole-model step that replaces parameters (placement of a model built
+        # on the meta device, in a dry run) re-points it, as the per-stage steps do later
+        model = parallelize(self, model, plan, optimizer=optimizer, only=WHOLE_MODEL_STEPS)
 
         def transform(stage: nn.Module) -> None:
             if prepare_stage is not None:

@@ -1,0 +1,224 @@
+"""kiln.parallel.dry_run: a run's setup and first step as one rank of a world of 8 to 512, on torch's
+fake process group and fake tensors, in this process.
+
+What each rank holds is checked against the closed form of FSDP2 over tensor parallelism (each
+parameter split by the tensor-parallel plan, then its dim 0 cut into ``dp_shard`` chunks, each
+padded to the largest: ``ceil(rows / dp_shard)`` rows), and what it moves against the collectives
+that layout needs. The same numbers against real gloo runs: tests/test_plan_vs_real.py. Every
+configuration error is the message of the check the real run calls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.config.args import load_trainer_args
+from kiln.config.overrides import ConfigError
+from kiln.parallel.comm_count import mesh_dimension
+from kiln.parallel.dry_run import dry_run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # lm_data
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS, HIDDEN, INTER, VOCAB, SEQ, MICRO = 2, 128, 256, 512, 64, 2
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # transformers' Llama plan: dim 0 split
+ROWWISE = ("o_proj", "down_proj")  # dim 1 split
+
+
+def config(compute: dict, *, heads: int = 8, kv_heads: int = 8, layers: int = LAYERS, **extra) -> dict:
+    """A small Llama run (bf16 autocast over fp32 parameters, every block checkpointed, AdamW)."""
+    model = dict(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+    return {
+        "compute_config": compute,
+        "micro_batch_size": MICRO,
+        "max_train_steps": 1,
+        "precision": "amp_bf16",
+        "activation_checkpointing": "full",
+        "model": {"type": "kiln.models.HuggingFaceModel.from_config", "args": {"config": model}},
+        "optimizer": {"type": "torch.optim.AdamW", "args": {"lr": 1e-3}},
+        "dataset": {"type": "lm_data.StdlibText.from_stdlib", "train_args": {"seq_len": SEQ, "max_bytes": 20000}},
+        **extra,
+    }
+
+
+def closed_form(tp: int, dp: int) -> tuple[int, int]:
+    """(parameter bytes of rank 0, parameter tensors): fp32, split by the plan, then FSDP's padded chunk."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    total, count = 0, 0
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if name.split(".")[-2] in COLWISE:
+            shape[0] //= tp
+        elif name.split(".")[-2] in ROWWISE:
+            shape[1] //= tp
+        total += math.ceil(shape[0] / dp) * math.prod(shape[1:]) * 4
+        count += 1
+    return total, count
+
+
+@pytest.mark.parametrize(
+    "world, compute, tp",
+    [(8, {"strategy": "fsdp"}, 1), (64, {"tp": 8, "dp_shard": -1}, 8), (512, {"tp": 8, "dp_shard": -1}, 8)],
+    ids=["fsdp8", "fsdp8xtp8", "fsdp64xtp8"],
+)
+def test_what_a_rank_holds_and_moves_is_the_closed_form(world, compute, tp):
+    report = dry_run(load_trainer_args(config(compute), world_size=world), world)
+    dp = world // tp
+    params, tensors = closed_form(tp, dp)
+    (rank,) = report.ranks
+    assert (rank.rank, report.mesh) == (
+        0,
+        {"dp_shard": dp} if tp == 1 else {"pp": 1, "dp_replicate": 1, "dp_shard": dp, "tp": tp},
+    )
+    assert rank.params == params
+    assert rank.grads == params  # one fp32 reduce-scatter output per block, of the padded shards
+    assert rank.optimizer == 2 * params + 4 * tensors  # AdamW's two moments, and a float32 step count each
+    # every block gathered in bf16 twice (forward, and again for the backward: reshard_after_forward),
+    # its fp32 gradients reduce-scattered once: both n chunks of the padded shards
+    assert rank.collectives["all_gather"] == {"dp_shard": params // 2 * dp * 2}
+    assert rank.collectives["reduce_scatter"] == {"dp_shard": params * dp}
+    if tp > 1:
+        # a row-wise layer's output summed over the tensor-parallel ranks: bf16 activations of the microbatch
+        assert rank.collectives["all_reduce"] == {"tp": rank.calls["all_reduce"]["tp"] * MICRO * SEQ * HIDDEN * 2}
+        assert rank.calls["all_reduce"]["tp"] == 8 * LAYERS
+    assert set(rank.collectives) == {"all_gather", "reduce_scatter"} | ({"all_reduce"} if tp > 1 else set())
+    assert 0 < rank.activations < rank.peak and rank.peak >= rank.params + rank.optimizer + rank.activations
+    # the sharded checkpoint's tensors: the parameters' shards, AdamW's moments and step counts
+    assert rank.checkpoint_bytes == 3 * params + 4 * tensors
+
+
+def test_a_pipeline_reports_each_stage_and_its_sends():
+    compute = {"pp": 2, "dp_shard": -1, "strategy_options": {"split_points": ["model.model.layers.1"]}}
+    report = dry_run(load_trainer_args(config(compute, precision="fp32"), world_size=16), 16)
+    assert [(r.rank, r.coordinates) for r in report.ranks] == [
+        (0, {"pp": 0, "dp_shard": 0}),
+        (8, {"pp": 1, "dp_shard": 0}),
+    ]
+    first, last = report.ranks
+    # two microbatches (the default: one per stage) of one sequence each. Stage 0 sends what stage 1
+    # takes: the fp32 hidden states, the rotary cos and sin (head size 128 / 8) and the bool causal
+    # mask, and receives the gradients of the floating ones; stage 1 receives and sends the same.
+    hidden, rotary, mask = SEQ * HIDDEN * 4, 2 * SEQ * (HIDDEN // 8) * 4, SEQ * SEQ
+    assert first.collectives["p2p"] == last.collectives["p2p"] == {"pp": 2 * (hidden + rotary + mask + hidden + rotary)}
+    assert first.calls["p2p"] == {"pp": 2 * (4 + 3)}
+    assert first.collectives["broadcast"] == last.collectives["broadcast"] == {"pp": 4}  # the loss, from the last stage
+
+
+def test_mesh_dimension_names_the_dimensions_a_group_spans():
+    sizes = {"pp": 2, "dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    assert mesh_dimension([0, 1], sizes) == "tp"
+    assert mesh_dimension([1, 3, 5, 7], sizes) == "dp_shard"
+    assert mesh_dimension([6, 14], sizes) == "pp"
+    assert mesh_dimension(range(8), sizes) == "dp_shard+tp"
+    assert mesh_dimension([5], sizes) == "self"
+
+
+@pytest.mark.parametrize(
+    "world, compute, model, message",
+    [
+        (
+            16,
+            {"tp": 8, "dp_shard": -1},
+            {"heads": 4, "kv_heads": 4},
+            "tensor parallelism over 8 ranks splits the attention 'model.model.layers.0.self_attn' by heads, but "
+            "its config has num_attention_heads=4, which 8 does not divide (each rank must hold whole heads); use "
+            "a tensor-parallel size in [2, 4], or a plan that leaves the attention whole",
+        ),
+        (
+            16,
+            {"tp": 2, "dp_shard": 4},
+            {},
+            "parallel sizes (pp=1, dp_replicate=1, dp_shard=4, tp=2) multiply to 8 but the world has 16 processes; "
+            "make pp*dp_replicate*dp_shard*tp equal 16, or set dp_shard=-1 to let it take the rest",
+        ),
+        (
+            4,
+            {"pp": 2, "dp_shard": -1, "strategy_options": {"split_points": ["model.model.embed_tokens"]}},
+            {},
+            "Pipeline split_points=['model.model.embed_tokens'] gave 1 stages instead of 2: each split point must "
+            "be a module the forward calls, listed in the order the forward calls them",
+        ),
+    ],
+    ids=["heads", "mesh-product", "empty-stage"],
+)
+def test_a_configuration_error_is_the_real_runs_message(world, compute, model, message):
+    args = load_trainer_args(config(compute, **model), world_size=world)
+    with pytest.raises(ValueError) as raised:
+        dry_run(args, world)
+    assert str(raised.value) == message
+
+
+def test_a_size_that_does_not_divide_the_world_is_refused_as_kiln_train_refuses_it():
+    with pytest.raises(ConfigError) as raised:
+        load_trainer_args(config({"tp": 8}), world_size=12)
+    assert str(raised.value) == (
+        "compute_config.tp: got 8 (int), expected a divisor of the world size 12 (processes per model replica)"
+    )
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def _write(tmp_path: Path, cfg: dict) -> Path:
+    import yaml
+
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_kiln_plan_dry_run_prints_the_report_as_json(tmp_path, monkeypatch, capsys):
+    from kiln.cli.main import main
+
+    path = _write(tmp_path, config({"tp": 8, "dp_shard": -1}))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "-f", str(path), "--world-size", "128", "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    params, _ = closed_form(8, 16)
+    assert out["world_size"] == 128 and out["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 16, "tp": 8}
+    assert out["ranks"][0]["params"] == params
+    assert set(out) == {
+        "world_size", "mesh", "strategy", "precision", "activation_checkpointing", "compile", "micro_batch_size",
+        "grad_accumulation_steps", "num_parameters", "ranks", "seconds", "notes",
+    }  # fmt: skip
+    assert set(out["ranks"][0]) == {
+        "rank", "coordinates", "params", "grads", "optimizer", "activations", "peak", "collectives", "calls",
+        "checkpoint_bytes", "checkpoint_entries",
+    }  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # nothing written
+
+
+def test_kiln_plan_dry_run_fails_in_one_line_with_status_2(tmp_path, monkeypatch, capsys):
+    from kiln.cli.main import main
+
+    path = _write(tmp_path, config({"tp": 8, "dp_shard": -1}, heads=4, kv_heads=4))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "-f", str(path), "--world-size", "16", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("kiln plan: error: tensor parallelism over 8 ranks splits the attention")
+    assert captured.err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
