@@ -33,7 +33,7 @@ import types
 import pytest
 import torch
 
-from distributed import WORKERS, check, kiln_run
+from distributed import ROOT, WORKERS, check, kiln_run
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
 from kiln.parallel import Hybrid, ParallelDims
@@ -180,3 +180,36 @@ def test_compute_config_ep_that_does_not_divide_dp_shard_is_a_config_error():
         "compute_config.ep: got 4 (int), expected a divisor of dp_shard = 2 in a world of 4 (expert parallelism takes "
         "its ranks from dp_shard)"
     )
+
+
+# -- the dry run (kiln plan --dry-run) counts the experts' shards and the all-to-all bytes ------------
+def test_dry_run_counts_expert_shards_and_all_to_all_bytes(monkeypatch):
+    from kiln.parallel.dry_run import dry_run
+
+    monkeypatch.syspath_prepend(str(ROOT))  # the run file's dataset is examples.lm_data
+    small = {"dim": 32, "moe_hidden_dim": 64, "max_seq_len": 16}
+    overrides = [f"--model.args.{k}={v}" for k, v in small.items()]
+    overrides += ["--micro_batch_size=2", "--activation_checkpointing=None"]
+    for split in ("train_args", "val_args"):
+        overrides += [f"--dataset.{split}.seq_len=16", f"--dataset.{split}.max_bytes=20000"]
+    args = load_trainer_args(ROOT / "examples" / "moe_pretrain.yaml", overrides, world_size=4)
+    report = dry_run(args, 4)
+    rank = report.ranks[0]
+    # per MoE layer (3): the counts (8 experts, int64), then 2 x 16 tokens x top-2 = 64 rows of 32
+    # floats sent to the experts and back, forward and backward (balanced routing under fake tensors)
+    rows_bytes = 2 * 16 * 2 * 32 * 4
+    assert rank.collectives["all_to_all"] == {"dp_shard": 3 * (8 * 8 + 4 * rows_bytes)}
+    assert rank.calls["all_to_all"] == {"dp_shard": 3 * 5}
+    # the experts split 4 ways (ep 2 x efsdp 2); every other weight FSDP-sharded over dp_shard 4
+    # (rank 0 holds the first, padded, shard of each)
+    import kiln
+
+    torch.manual_seed(0)
+    model = kiln.models.MoELlama(**{**args.model.args, **small})
+    want = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            want += p.numel() // 4 * 4
+        else:
+            want += -(-p.shape[0] // 4) * (p.numel() // p.shape[0]) * 4
+    assert rank.params == want

@@ -73,6 +73,7 @@ __all__ = [
     "aux_loss",
     "update_expert_bias",
     "router_stats",
+    "split_sizes",
 ]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -290,7 +291,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts, scores = self.router(tokens)
         flat = experts.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # (not bincount: its output's length depends on the values, which fake tensors do not have)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))
         # stable: each expert's (token, expert) pairs stay in token order (the capacity keeps the first)
         order = flat.argsort(stable=True)
         if self.capacity_factor is not None:
@@ -298,7 +301,7 @@ class MoE(nn.Module):
         self._count(counts, flat.numel())
         rows = tokens.index_select(0, order // self.top_k)
         if self.dispatcher is None:
-            out = self.experts(rows, counts.tolist())  # the split sizes: one host read per layer
+            out = self.experts(rows, split_sizes(counts, len(rows)))  # one host read per layer
         else:
             out = self.dispatcher(rows, counts, self.experts)
         out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
@@ -349,6 +352,18 @@ class MoE(nn.Module):
             f"num_experts={self.num_experts}, top_k={self.top_k}, load_balance={self.load_balance!r}, "
             f"capacity_factor={self.capacity_factor}"
         )
+
+
+def split_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """``counts.tolist()``: the rows per expert (or rank) that ``torch.split`` and the all-to-alls
+    take as Python ints. Under fake tensors (kiln's dry run), which have shapes but no values, the
+    even split of ``total`` rows instead: a balanced step's shapes, memory and bytes moved."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(counts, FakeTensor):
+        base, extra = divmod(total, counts.numel())
+        return [base + (i < extra) for i in range(counts.numel())]
+    return counts.tolist()
 
 
 def _check_options(**options: Any) -> None:

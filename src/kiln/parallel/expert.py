@@ -100,20 +100,26 @@ class ExpertParallel:
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], Route]:
         """Send each row to the rank holding its expert; returns this rank's rows grouped by local
         expert, their count per local expert, and the route for :meth:`combine`."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        from kiln.models.moe import split_sizes
+
         # received[s * num_local + j]: rows rank s sends to local expert j (equal splits)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
         # all_to_all_single takes its splits as Python lists: one device-to-host copy per layer
-        # (on a GPU a sync; torchtitan has the same one), for both directions at once
-        host = torch.cat([counts, received]).tolist()
+        # (on a GPU a sync; torchtitan has the same one), for both directions at once. (Under
+        # the dry run's fake tensors: a balanced exchange, as many rows back as sent.)
+        host = split_sizes(torch.cat([counts, received]), 2 * len(rows))
         sent, got = host[: self.num_experts], host[self.num_experts :]
         send_splits = [sum(sent[r * self.num_local : (r + 1) * self.num_local]) for r in range(self.size)]
         recv_splits = [sum(got[r * self.num_local : (r + 1) * self.num_local]) for r in range(self.size)]
         rows = _AllToAll.apply(rows, recv_splits, send_splits, self.group)
         # rows arrive by source rank, then local expert; the experts want them by local expert,
         # then source rank (a stable sort keeps each block's order)
+        repeats = torch.tensor(got, device=rows.device) if isinstance(received, FakeTensor) else received
         block = torch.repeat_interleave(
-            torch.arange(len(got), device=rows.device), received, output_size=sum(recv_splits)
+            torch.arange(len(got), device=rows.device), repeats, output_size=sum(recv_splits)
         )
         order = ((block % self.num_local) * self.size + block // self.num_local).argsort(stable=True)
         local_counts = [sum(got[j :: self.num_local]) for j in range(self.num_local)]

@@ -138,7 +138,12 @@ def ep_meshes(mesh, dims: ParallelDims) -> tuple[Any, Any]:
         return None, None
     # _unflatten makes the two sub-meshes (and their groups) on the same root mesh, which FSDP
     # needs to shard the experts' ep DTensors again over efsdp (as for tp x dp_shard).
-    split = mesh._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # A mesh computes its ranks from a tensor's values, which the dry run's fake tensors lack;
+    # torch builds its own sliced meshes with fake tensors off too (a no-op outside a dry run).
+    with unset_fake_temporarily():
+        split = mesh._unflatten("dp_shard", (dims.dp_shard // dims.ep, dims.ep), ("efsdp", "ep"))
     experts_dp = split["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else split["efsdp"]
     return split["ep"], experts_dp
 
