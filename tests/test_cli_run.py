@@ -48,8 +48,7 @@ def test_multi_node_options_pass_through():
         "--nnodes=2",
         "--max-restarts=3",
         "--rdzv-endpoint=host:29400",
-        "--rdzv-backend=c10d",
-        "--node-rank=1",
+        "--rdzv-backend=c10d",  # no --node-rank: the c10d rendezvous numbers the nodes itself
         "--module",
         "kiln.launch.worker",
         "train.py",

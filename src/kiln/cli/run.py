@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import Any
 
 __all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
 
@@ -69,6 +70,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="restart the worker group up to this many times when a worker fails",
     )
+    p.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        dest="rdzv_conf",
+        default=None,
+        help="rendezvous settings KEY=VALUE,...; for MIN:MAX jobs they override kiln's fast defaults "
+        f"({_ELASTIC_RDZV_CONF})",
+    )
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None)
     p.add_argument("--master-port", "--master_port", dest="master_port", default=None)
     p.add_argument("--log-dir", "--log_dir", dest="log_dir", default=None, help="where torchrun writes worker logs")
@@ -93,7 +102,12 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
             out += [f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
         if args.rdzv_id is not None:
             out.append(f"--rdzv-id={args.rdzv_id}")
-        if args.node_rank is not None:
+        conf = rdzv_conf(args.nnodes, args.rdzv_conf)
+        if conf:
+            out.append(f"--rdzv-conf={conf}")
+        # The c10d rendezvous numbers the nodes itself and ignores --node-rank (torch warns):
+        # it is passed only to the static rendezvous, which needs it.
+        if args.node_rank is not None and (args.rdzv_endpoint is None or args.rdzv_backend == "static"):
             out.append(f"--node-rank={args.node_rank}")
     elif args.master_addr is None and args.master_port is None:
         out.append("--standalone")  # one node: torchrun picks a free port itself
@@ -108,6 +122,28 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     # every worker starts in kiln's bootstrap, which runs the script (or module) unchanged
     out += ["--module", WORKER_MODULE, *(["-m"] if args.module else [])]
     return [*out, args.script, *args.script_args]
+
+
+# Rendezvous settings of an elastic (MIN:MAX) job, in seconds. torch's defaults take ~47 s from a
+# node's death to the next step on the nodes left: 15 s before the dead node's heartbeat expires
+# (keep_alive_interval 5 x keep_alive_max_attempt 3), then a 30 s last call for nodes to join the
+# smaller group. A node is declared dead after 3 missed heartbeats of 1 s, and the last call waits
+# 3 s: long enough for nodes started together to meet in one round. A user's --rdzv-conf key wins.
+_ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3,close_timeout=5"
+
+
+def rdzv_conf(nnodes: str, user: str | None) -> str | None:
+    """The --rdzv-conf for torchrun: kiln's fast defaults under the user's keys for MIN:MAX jobs."""
+    low, _, high = str(nnodes).partition(":")
+    elastic = bool(high) and low != high
+    pairs = dict(item.split("=", 1) for item in _ELASTIC_RDZV_CONF.split(",")) if elastic else {}
+    for item in (user or "").split(","):
+        if item.strip():
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--rdzv-conf item {item!r} is not KEY=VALUE (e.g. last_call_timeout=10)")
+            pairs[key.strip()] = value.strip()
+    return ",".join(f"{k}={v}" for k, v in pairs.items()) or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln.launch.parent_death import PARENT_PID_ENV
 
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers' parent: see kiln.launch.parent_death
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node != "1":
+        # what torchrun does for several workers per node, without its four-line banner about it
+        os.environ["OMP_NUM_THREADS"] = "1"
     _quiet_replaced_torch_lines()
     if args.log_dir is not None or args.redirects is not None or args.tee is not None:
         return _launch(argv, None, _single_node(args))  # the user's folder: left as torchrun leaves it
@@ -159,6 +198,7 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
 
     from kiln.launch.failures import find_reports, print_line, summarize_reports
 
+    _ElasticNews.install(log_dir, single_node)  # after torch's import, which sets its loggers' levels
     try:
         # torchrun's run(), not its @record main(): that would log the failing rank's error file
         # (its whole traceback) once more
@@ -228,3 +268,59 @@ def _quiet_replaced_torch_lines() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Replaced) for f in logger.filters):
             logger.addFilter(_Replaced())
+
+
+class _ElasticNews(logging.Filter):
+    """One line from the agent's own log records when the worker group restarts: which rank failed
+    (or which node went away), the restart, nodes waiting to join, and the world size the job
+    continues with when it changed. torch logs these at INFO, below what it shows by default."""
+
+    _FAILED = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
+    _JOINING = "[%s] Detected %s new nodes from group_rank=%s; will restart worker group"
+    _AGENT = "torch.distributed.elastic.agent.server.api"
+
+    def __init__(self, log_dir: str | None, single_node: bool, shown: int) -> None:
+        super().__init__()
+        self.log_dir, self.single_node, self.shown = log_dir, single_node, shown
+        self.world: tuple[int, int] | None = None  # (nodes, processes) of the last rendezvous
+
+    @classmethod
+    def install(cls, log_dir: str | None, single_node: bool) -> None:
+        import torch.distributed.elastic.agent.server.api  # noqa: F401 - its import sets the logger's level
+
+        logger = logging.getLogger(cls._AGENT)
+        for old in [f for f in logger.filters if isinstance(f, cls)]:
+            logger.removeFilter(old)
+        logger.addFilter(cls(log_dir, single_node, logger.getEffectiveLevel()))
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from kiln.launch.failures import find_reports, print_line, summarize_reports
+
+        args: Any = record.args
+        try:
+            if record.msg == self._FAILED:
+                _, state, left, most = args
+                why = summarize_reports(find_reports(self.log_dir), self.single_node) if self.log_dir else None
+                print_line(
+                    f"kiln run: {why or f'the worker group is {state}'}; "
+                    f"restarting the workers ({int(left) - 1} of {most} restarts left after this one)"
+                )
+            elif record.msg == self._JOINING:
+                print_line(f"kiln run: {args[1]} node(s) waiting to join; restarting the workers to take them in")
+            elif str(record.msg).startswith("[%(role)s] Rendezvous complete") and isinstance(args, dict):
+                sizes = args.get("global_world_sizes") or [0]
+                world = (int(args["group_world_size"]), int(sizes[0]))
+                if self.world is not None and world != self.world:
+                    print_line(
+                        f"kiln run: the job continues on {_count(world[0], 'node')}, world size {world[1]} "
+                        f"(was {_count(self.world[0], 'node')}, world size {self.world[1]})"
+                    )
+                self.world = world
+        except Exception:  # noqa: BLE001, S110 - news must never stop the agent
+            pass
+        return record.levelno >= self.shown
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"

@@ -1,0 +1,81 @@
+"""A Trainer job for the multi-node drills (tests/test_multinode.py), started by one `kiln run` per
+'node'. Every rank appends one JSON line per batch to OUT/steps.jsonl (one os.write each: a
+killed process leaves whole lines), with its node, rank, world size, batch, loss and time.
+
+--kill-agent-at N (given to one node's launcher): on the first pass past batch N, the rank
+SIGKILLs its own `kiln run` (the node's agent dies; the parent-death signal takes the worker with it).
+--load PATH: start from that checkpoint (the reference runs) instead of autoresuming.
+While the world has one rank, each batch sleeps --slow seconds, giving a node time to come back."""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+import kiln
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--kill-agent-at", type=int, default=None)
+parser.add_argument("--load", default=None)
+parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--duration", default="24ba")
+opts = parser.parse_args()
+
+ctx = kiln.launch_from_torch()
+node = int(os.environ.get("GROUP_RANK", 0))
+g = torch.Generator().manual_seed(0)
+x = torch.randn(96, 8, generator=g)
+data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+log = os.open(os.path.join(opts.out, "steps.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def line(**fields):
+    os.write(log, (json.dumps({"node": node, "rank": ctx.rank, "world": ctx.world_size, **fields}) + "\n").encode())
+
+
+class Drill(kiln.Callback):
+    def batch_end(self, state, logger):
+        batch = state.timestamp.batch.value
+        line(batch=batch, loss=state.loss.item(), time=time.time())
+        marker = os.path.join(opts.out, "killed")
+        if (
+            opts.kill_agent_at is not None
+            and ctx.world_size == 2
+            and batch >= opts.kill_agent_at
+            and not os.path.exists(marker)
+        ):
+            open(marker, "w").close()
+            line(event="kill", time=time.time())
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # the parent-death signal ends this process
+        if ctx.world_size == 1 and opts.slow:
+            time.sleep(opts.slow)
+
+
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+    max_duration=opts.duration,
+    optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
+    criterion=nn.CrossEntropyLoss(),
+    callbacks=[Drill()],
+    save_folder=os.path.join(opts.out, "ckpt"),
+    save_interval="2ba",
+    load_path=opts.load,
+    autoresume=opts.load is None,
+    seed=3,
+    progress_bar=False,
+)
+line(event="start", batch=trainer.state.timestamp.batch.value, time=time.time())
+trainer.fit()
+weights = kiln.parallel.full_model_state_dict(trainer.engine.model)
+line(event="end", weights={k: v.tolist() for k, v in weights.items()})
+if torch.distributed.is_initialized():  # a world of one has no group
+    torch.distributed.destroy_process_group()
