@@ -251,3 +251,20 @@ def test_the_global_batch_stays_when_the_world_shrinks_and_is_refused_where_it_c
     assert str(refused.value) == (
         "global_batch_size: got 8 (int), expected a multiple of micro_batch_size * data-parallel size = 2 * 3 = 6"
     )
+
+
+def test_several_workers_get_one_openmp_thread_without_torchrun_s_banner(tmp_path):
+    script = tmp_path / "omp.py"
+    script.write_text("import os\nos.write(1, ('OMP=' + os.environ.get('OMP_NUM_THREADS', '-') + '\\n').encode())\n")
+    env = {k: v for k, v in base_env().items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["OMP=1", "OMP=1"]
+    assert "Setting OMP_NUM_THREADS" not in done.stderr and "*****" not in done.stderr
