@@ -222,3 +222,32 @@ def test_kiln_plan_dry_run_fails_in_one_line_with_status_2(tmp_path, monkeypatch
     assert captured.err.startswith("kiln plan: error: tensor parallelism over 8 ranks splits the attention")
     assert captured.err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
+
+
+def test_kiln_train_dry_run_runs_the_world_the_run_file_is_for(tmp_path, monkeypatch, capsys):
+    from kiln.cli.main import main
+
+    cfg = config({"tp": 8, "dp_shard": -1, "runtime_ngpus": 64})
+    cfg["checkpoint"] = {"save_dir": "./runs/checkpoints"}
+    path = _write(tmp_path, cfg)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "-f", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    params, _ = closed_form(8, 8)
+    assert out.startswith("dry run: ") and " on 64 ranks (dp_shard 8 x tp 8);" in out.splitlines()[0]
+    assert out.splitlines()[2].split()[:3] == ["0", "dp_shard=0,tp=0", f"{params / 1024:.2f}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no checkpoint folder, no log
+
+
+def test_a_strategy_that_needs_real_parameter_storage_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from kiln.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))  # examples.mlp_model
+    assert main(["train", "-f", str(ROOT / "examples" / "mlp.yaml"), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        "kiln train: error: compute_config.strategy: 'zero1' cannot be dry-run: it runs on DistributedDataParallel, "
+        "which checks and buckets the parameters' data in C++; dry-run the run with strategy fsdp (or a hybrid "
+        "mesh), or see its memory with kiln plan (no --dry-run)\n"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -233,32 +233,26 @@ def _dry_run(args: argparse.Namespace, extra: list[str]) -> int:
     if os.getcwd() not in sys.path:  # components resolve from the working directory, as kiln train's do
         sys.path.insert(0, os.getcwd())
     try:
-        world = args.world_size or _run_file_world(args.file)
-        trainer_args = load_trainer_args(args.file, extra, world_size=world)
+        trainer_args = load_trainer_args(args.file, extra, world_size=args.world_size)
     except ConfigError as exc:
         print(f"kiln plan: error: {exc}", file=sys.stderr)
         return 2
-    return dry_run_command(trainer_args, world, as_json=args.json, prog="kiln plan")
+    return dry_run_command(trainer_args, args.world_size, as_json=args.json, prog="kiln plan")
 
 
-def _run_file_world(path: str) -> int:
-    """The world a run file is for: its ``compute_config.runtime_ngpus``, else 1."""
-    if str(path).endswith((".yaml", ".yml")):
-        from kiln.config.overrides import load_yaml
-
-        return int((load_yaml(path).get("compute_config") or {}).get("runtime_ngpus") or 1)
-    return 1
-
-
-def dry_run_command(trainer_args: Any, world_size: int, *, as_json: bool = False, prog: str = "kiln plan") -> int:
-    """Dry-run a resolved run (:func:`kiln.parallel.dry_run.dry_run`) and print its report: text, or
-    one JSON object. A configuration error prints the real run's one line and returns 2."""
+def dry_run_command(
+    trainer_args: Any, world_size: int | None, *, as_json: bool = False, prog: str = "kiln plan"
+) -> int:
+    """Dry-run a resolved run (:func:`kiln.parallel.dry_run.dry_run`) on ``world_size`` ranks (None:
+    the run's ``compute_config.runtime_ngpus``, else 1) and print its report: text, or one JSON
+    object. A configuration error prints the real run's one line and returns 2."""
     import json
 
     from kiln.parallel.dry_run import dry_run
 
+    world = world_size or trainer_args.compute_config.runtime_ngpus or 1
     try:
-        report = dry_run(trainer_args, world_size)
+        report = dry_run(trainer_args, world)
     except (ValueError, TypeError) as exc:  # ConfigError is a ValueError; so are the strategies' checks
         if os.environ.get("KILN_DEBUG") == "1":
             traceback.print_exception(exc)

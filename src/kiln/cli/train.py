@@ -1,10 +1,12 @@
-"""`kiln train -f run.yaml [--dotted.key value ...] [--nproc-per-node N] [--print-config] [--verbose]`.
+"""`kiln train -f run.yaml [--dotted.key value ...] [--nproc-per-node N] [--print-config] [--dry-run] [--verbose]`.
 
 The whole config is read and checked first (types, batch arithmetic, imports, constructor
 arguments, the resume path): a mistake exits with status 2 and one line on stderr, before any
 process group, file or directory exists (``KILN_DEBUG=1`` adds the traceback). Then:
 
 * ``--print-config`` prints the fully resolved YAML, which ``-f`` accepts back unchanged;
+* ``--dry-run`` runs the setup and one step on a fake process group of the run's world size in this
+  process, and prints what each rank holds and moves (``kiln plan --dry-run``; nothing is written);
 * ``--nproc-per-node N`` starts N copies of this command through torch.distributed.run (via
   ``kiln run``); under torchrun (or ``kiln run``), SLURM (``srun``) or Open MPI (``mpirun``) the
   launcher's group is joined (:func:`kiln.launch.join.join_launcher`); otherwise it runs as one
@@ -100,6 +102,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="print_config",
         action="store_true",
         help="print the fully resolved config as YAML and exit",
+    )
+    p.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="run the setup and one training step as each pipeline stage's first rank, in this process, "
+        "on a fake process group and fake tensors (the world: --nproc-per-node, else "
+        "compute_config.runtime_ngpus); print what each rank holds and moves (kiln plan --dry-run)",
     )
     p.add_argument(
         "-v",
@@ -199,13 +210,19 @@ def train(args: argparse.Namespace) -> int:
     try:
         nproc = _nproc(args.nproc_per_node)
         launcher = _launcher()
-        world = _world_size(nproc, launcher)
+        world: int | None = _world_size(nproc, launcher)
+        if args.dry_run and nproc is None and launcher is None:
+            world = None  # the run file's runtime_ngpus: a dry run is for the cluster, not this machine
         trainer_args = load_trainer_args(args.file, extra, world_size=world)
     except ConfigError as e:
         return _fail(e)
     if args.print_config:
         sys.stdout.write(dump_yaml(trainer_args))
         return 0
+    if args.dry_run:
+        from kiln.cli.plan import dry_run_command
+
+        return dry_run_command(trainer_args, world, prog="kiln train")
     if nproc is not None and launcher is None:
         return _relaunch(args, nproc)
     return run_training(trainer_args)

@@ -308,6 +308,15 @@ def first_microbatch(args: TrainerArgs) -> Any:
     return collate(samples)
 
 
+# Strategies whose setup reads the parameters' storage, which fake tensors do not have.
+_REAL_STORAGE = {
+    "ddp": "DistributedDataParallel checks and buckets the parameters' data in C++",
+    "zero1": "it runs on DistributedDataParallel, which checks and buckets the parameters' data in C++",
+    "deepspeed": "DeepSpeed's engine allocates and copies real buffers",
+    "auto": "auto chooses by this machine's memory, not the cluster's; set the strategy it should pick",
+}
+
+
 @contextlib.contextmanager
 def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Engine, int]]:
     """The Engine (and the model's number of parameters) a run of ``args`` builds on ``rank`` of ``world_size``, in a fake world, on a model
@@ -318,6 +327,7 @@ def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Eng
     # the config CLI's own builders, so the dry run builds what kiln train builds
     from kiln.config.trainer_builder import _activation_checkpointing, _model, _strategy, build_precision
     from kiln.parallel.fake_world import fake_world
+    from kiln.parallel.strategy import get_strategy
     from kiln.trainer.building import build_engine
     from kiln.trainer.options import LeverOptions
 
@@ -335,12 +345,19 @@ def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Eng
         float8=args.float8,
     )
     with fake_world(world_size, rank) as ctx:
+        strategy = get_strategy(_strategy(args, ctx), ctx)
+        if strategy.name in _REAL_STORAGE:
+            raise ValueError(
+                f"compute_config.strategy: {strategy.name!r} cannot be dry-run: {_REAL_STORAGE[strategy.name]}; "
+                "dry-run the run with strategy fsdp (or a hybrid mesh), or see its memory with kiln plan "
+                "(no --dry-run)"
+            )
         engine = build_engine(
             model,
             optimizer,
             criterion,
             precision=build_precision(args.precision),
-            strategy=_strategy(args, ctx),
+            strategy=strategy,
             clip_grad_norm=args.optimizer.clip_gnorm or None,
             levers=levers,
             deepspeed_config=None,
