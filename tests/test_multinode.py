@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import WORKERS, base_env, check, free_port, kiln_run
+from distributed import ROOT, WORKERS, base_env, check, free_port, kiln_run
 from kiln.cli.run import torchrun_args
 
 SCRIPT = WORKERS / "elastic_nodes.py"
@@ -46,9 +47,9 @@ sys.exit(kiln.cli.main.main(sys.argv[3:]))
 """
 
 
-def _launcher(port: int, out: Path, log: Path, nnodes: str, *options: str, script_args=()):
+def _launcher(port: int, out: Path, log: Path, nnodes: str, *options: str, script_args=(), target=None):
     argv = ["run", "-n", "1", "--nnodes", nnodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "drill"]
-    argv += [*options, str(SCRIPT), str(out), *script_args]
+    argv += [*options, *(target or [str(SCRIPT), str(out)]), *script_args]
     ready, go = log.with_suffix(".ready"), log.with_suffix(".go")
     with open(log, "w") as f:
         proc = subprocess.Popen(
@@ -74,15 +75,17 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _start_pair(port: int, out: Path, tmp: Path, nnodes: str, script_args=(), dying_args=(), options=()):
+def _start_pair(port: int, out: Path, tmp: Path, nnodes: str, script_args=(), dying_args=(), options=(), target=None):
     """Two launchers of one job. The first hosts the rendezvous (torch's c10d store lives in the
     agent on the endpoint, and its loss ends every job), the second may die: it never hosts
     (is_host=false). Both are started warm; the second goes once the first's store listens."""
     first_log, second_log = tmp / f"{out.name}-first.log", tmp / f"{out.name}-second.log"
-    first, first_ready, first_go = _launcher(port, out, first_log, nnodes, *options, script_args=script_args)
+    first, first_ready, first_go = _launcher(
+        port, out, first_log, nnodes, *options, script_args=script_args, target=target
+    )
     second, second_ready, second_go = _launcher(
         port, out, second_log, nnodes, "--rdzv-conf", "is_host=false", *options,
-        script_args=(*script_args, *dying_args),
+        script_args=(*script_args, *dying_args), target=target,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     for proc, ready, log in ((first, first_ready, first_log), (second, second_ready, second_log)):
@@ -110,10 +113,19 @@ def _losses(lines: list[dict], **where) -> dict[tuple[int, int], float]:
     }
 
 
+def _cli_job(out: Path) -> list[str]:
+    """`kiln run` target: kiln's config CLI on examples/mlp.yaml, its losses in OUT/losses.jsonl."""
+    return ["-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples/mlp.yaml"), "--max_train_steps", "4"] + [
+        "--checkpoint.save_dir", str(out / "ckpt"), "--enable_progress_bar", "false",
+        "--log.0.type", "file", "--log.0.args.path", str(out / "losses.jsonl"),
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
-    runs = {name: tmp / name for name in ("two_nodes", "one_node", "elastic", "reference")}
+    names = ("two_nodes", "one_node", "cli_two_nodes", "cli_one_node", "elastic", "reference")
+    runs = {name: tmp / name for name in names}
     for path in runs.values():
         path.mkdir()
     # 1. two nodes x 1 process against one launcher x 2 processes
@@ -123,6 +135,13 @@ def drills(tmp_path_factory):
     for proc, log in pair:
         assert proc.returncode == 0, log.read_text()[-4000:]
     check(kiln_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", timeout=240))
+    # the same for a config-CLI job (examples/mlp.yaml: 2 ranks, a checkpoint every step)
+    port = free_port()
+    pair = _start_pair(port, runs["cli_two_nodes"], tmp, "2", target=_cli_job(runs["cli_two_nodes"]))
+    _wait([p for p, _ in pair], 240, [log for _, log in pair])
+    for proc, log in pair:
+        assert proc.returncode == 0, log.read_text()[-4000:]
+    check(kiln_run("kiln.cli.main", *_cli_job(runs["cli_one_node"])[2:], extra=["-m"], timeout=240, cwd=ROOT))
     # 2. an elastic job loses a node after batch 5 and goes on alone
     port = free_port()
     (staying, staying_log), (dying, dying_log) = _start_pair(
@@ -151,6 +170,19 @@ def test_two_nodes_train_as_one_launcher_of_the_same_world_size(drills):
     assert losses == _losses(one)  # bit for bit
     ends = [x["weights"] for x in two if x.get("event") == "end"]
     assert len(ends) == 2 and ends[0] == ends[1] == next(x["weights"] for x in one if x.get("event") == "end")
+
+
+def test_a_config_cli_job_on_two_nodes_trains_as_on_one_launcher(drills):
+    runs, _ = drills
+
+    def losses(out):
+        rows = [json.loads(line) for line in (out / "losses.jsonl").read_text().splitlines()]
+        return {r["step"]: r["metrics"]["train/loss"] for r in rows if "train/loss" in r["metrics"]}
+
+    two = losses(runs["cli_two_nodes"])
+    assert sorted(two) == [1, 2, 3, 4]
+    assert two == losses(runs["cli_one_node"])  # bit for bit
+    assert os.readlink(runs["cli_two_nodes"] / "ckpt" / "last") == "ep0-ba4"
 
 
 def test_elastic_job_goes_on_alone_from_the_last_checkpoint_bit_exact(drills):
