@@ -5,6 +5,7 @@ module-scoped setup runs each drill once and the tests read what it left:
 
 * two nodes of one process each (`--nnodes 2`) train the Trainer job of tests/workers/elastic_nodes.py
   with checkpoints; a single launcher `-n 2` runs the same job; the losses are equal, bit for bit.
+  The same for a config-CLI job (examples/mlp.yaml).
 * an elastic job (`--nnodes 1:2 --max-restarts 3`): one node's `kiln run` is SIGKILLed after batch
   5 (the checkpoint at batch 4 is the last complete one); the other node re-rendezvouses alone,
   restarts at world size 1 and resumes from batch 4 (DCP reshards the 2-rank checkpoint). A run
