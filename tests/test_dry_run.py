@@ -251,3 +251,19 @@ def test_a_strategy_that_needs_real_parameter_storage_is_refused_in_one_line(tmp
         "mesh), or see its memory with kiln plan (no --dry-run)\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_activation_count_follows_storage_resizes():
+    # FSDP2 frees a block's gathered parameters with storage.resize_(0) and gathers into the same
+    # storage again with resize_(n): no tensor op, so the count must see the resizes themselves
+    from kiln.parallel.activation_memory import _LiveBytes
+
+    gathered = torch.empty(1024)  # made before the count, like a storage FSDP keeps between steps
+    gathered.untyped_storage().resize_(0)
+    tracker = _LiveBytes([])
+    with tracker.watching_resizes():
+        for _ in range(2):
+            gathered.untyped_storage().resize_(4096)  # gathered for a block's forward
+            gathered.untyped_storage().resize_(0)  # freed after it
+    assert tracker.events == [(1, 4096), (1, -4096)] * 2
+    assert tracker.peak(set()) == 4096
