@@ -61,7 +61,16 @@ if TYPE_CHECKING:
     from kiln.config.args import TrainerArgs
     from kiln.engine import Engine
 
-__all__ = ["RankReport", "DryRunReport", "dry_run", "dry_run_rank", "first_microbatch", "mesh_sizes", "storage_bytes"]
+__all__ = [
+    "RankReport",
+    "DryRunReport",
+    "dry_run",
+    "dry_run_rank",
+    "measure_step",
+    "first_microbatch",
+    "mesh_sizes",
+    "storage_bytes",
+]
 
 
 @dataclass(frozen=True)
