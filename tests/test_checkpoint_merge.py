@@ -108,7 +108,7 @@ def test_cli_merge_to_a_file(saved, tmp_path, capsys):
     assert main(["checkpoint", "verify", str(dst)]) == 0
     assert main(["checkpoint", "inspect", str(dst)]) == 0
     assert "epoch 0, batch 3" in capsys.readouterr().out
-    assert main(["checkpoint", "merge", str(path), str(dst)]) == 1  # exists: one line, exit 1
+    assert main(["checkpoint", "merge", str(path), str(dst)]) == 2  # exists: a usage error, one line, exit 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "already exists" in err
 
