@@ -1,5 +1,6 @@
-"""Checkpoints written by 2 ranks (DDP, ZeRO-1, and zero3 = FSDP2) load into 1 rank and training goes on:
-sharded and deduped through DCP's resharding, merged as one plain file with no process group."""
+"""Checkpoints written by 2 ranks (DDP, ZeRO-1, and zero3 = FSDP2; one launch saves under each in turn)
+load into 1 rank and training goes on: sharded and deduped through DCP's resharding, merged as one
+plain file with no process group."""
 
 from __future__ import annotations
 
@@ -34,12 +35,22 @@ def _assert_loaded(expected, state):
             assert same, f"{section}.{key}"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero3"])
-def test_two_ranks_save_one_rank_loads_and_trains(tmp_path, strategy):
-    check(kiln_run(WORKERS / "ckpt_save_ranks.py", str(tmp_path), strategy))
-    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+STRATEGIES = ["ddp", "zero1", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One 2-rank launch saving under each strategy in turn: the folder holding a folder per strategy."""
+    out = tmp_path_factory.mktemp("saved")
+    check(kiln_run(WORKERS / "ckpt_save_ranks.py", str(out), ",".join(STRATEGIES)))
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_save_one_rank_loads_and_trains(saved, tmp_path, strategy):
+    expected = torch.load(saved / strategy / "expected.pt", weights_only=True)
     for save_type in ("sharded", "deduped", "merged"):
-        path = tmp_path / save_type / "ep0-ba3"
+        path = saved / strategy / save_type / "ep0-ba3"
         manifest = verify_checkpoint(path)
         assert (manifest["world_size"], manifest["strategy"]["name"]) == (2, strategy)
         state = _one_rank_state()
@@ -53,13 +64,13 @@ def test_two_ranks_save_one_rank_loads_and_trains(tmp_path, strategy):
         engine.step()
 
     # merged: one file, plain torch.load with weights_only=True, no process group, no kiln
-    merged = torch.load(tmp_path / "merged/ep0-ba3/checkpoint.pt", weights_only=True)
+    merged = torch.load(saved / strategy / "merged/ep0-ba3/checkpoint.pt", weights_only=True)
     for key, value in expected["model"].items():
         assert torch.equal(merged["model"][key], value)
     assert len(merged["ranks"]) == 2 and merged["ranks"][1]["rank"] == 1
 
     # and `kiln checkpoint merge` turns the sharded one into the same thing
-    out = merge_checkpoint(tmp_path / "sharded/ep0-ba3", tmp_path / "exported")
+    out = merge_checkpoint(saved / strategy / "sharded/ep0-ba3", tmp_path / "exported")
     assert verify_checkpoint(out)["save_type"] == "merged"
     state = _one_rank_state()
     load_checkpoint(out, state, restore_rng=False)
