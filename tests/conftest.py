@@ -34,28 +34,33 @@ def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -
         report.longrepr = f"KILN_TEST_REQUIRE names {found.group(1).partition('.')[0]}, so this must run: {reason}"
 
 
-# The files that take longest (a minute or more each on 2 cores), longest first; the rest follow in
-# their usual order. `make test` hands whole files to its pytest-xdist workers in this order (--dist
-# loadfile --no-loadscope-reorder), each taking the next file as it finishes one, so no worker is
-# left running a long file alone at the end.
+# The files that take longest (a minute or more each under `make test` on a loaded 2-core machine),
+# longest first; the rest follow in their usual order. `make test` hands whole files to its
+# pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder), each taking the next
+# file as it finishes one, so no worker is left running a long file alone at the end.
 LONGEST_FIRST = (
-    "test_levers.py",
     "test_clean_exit.py",
+    "test_resume_full.py",
+    "test_levers.py",
     "test_deepspeed.py",
     "test_migrate.py",
-    "test_hygiene.py",
-    "test_resume_full.py",
     "test_packaging.py",
     "test_hf_models.py",
-    "test_examples.py",
-    "test_checkpoint_storage.py",
     "test_checkpoint_resume.py",
+    "test_examples.py",
+    "test_algorithms_resume.py",
+    "test_checkpoint_storage.py",
+    "test_hygiene.py",
+    "test_cli_train.py",
+    "test_expert_parallel.py",
+    "test_launch_join.py",
+    "test_hooks.py",
+    "test_lm_example.py",
     "test_resume_world_size.py",
     "test_golden_runs.py",
+    "test_eval_even.py",
     "test_parallel.py",
     "test_parallel_sgd.py",
-    "test_cli_train.py",
-    "test_hooks.py",
 )
 
 

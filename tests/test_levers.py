@@ -357,6 +357,8 @@ def test_an_inductor_checkpoint_has_the_plain_keys_and_loads_into_a_plain_model(
 # -- two ranks: every strategy ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
+    # the first test to use it pays for this launch: 259 s measured on a loaded machine, hence the
+    # tests' timeout(900) beside kiln_run's 600
     out = tmp_path_factory.mktemp("levers")
     check(kiln_run(WORKERS / "levers_worker.py", str(out), nproc=2, timeout=600))
     return json.loads((out / "levers.json").read_text())
@@ -368,6 +370,7 @@ def _expected_levers(name, rank, levers, on=LAYERS):
     return {block: list(levers) if block in on else [] for block in held}
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_two_ranks_checkpointing_gives_the_losses_of_none_exactly(two_ranks, name):
@@ -380,6 +383,7 @@ def test_two_ranks_checkpointing_gives_the_losses_of_none_exactly(two_ranks, nam
         assert r["selective:2_levers"] == every_other, (name, rank)
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_two_ranks_compile_is_within_1e_5_and_keeps_the_keys(two_ranks, name):
@@ -397,6 +401,7 @@ def test_two_ranks_compile_is_within_1e_5_and_keeps_the_keys(two_ranks, name):
         assert "layers.1.fc1.weight" in r["eager_keys"]["model"] or name == "pp"
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 def test_two_ranks_dcp_checkpoints_load_across_compile(two_ranks):
     for results in two_ranks:
