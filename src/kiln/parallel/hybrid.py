@@ -109,7 +109,7 @@ class Hybrid(PipelineSteps):
         check_expert_parallel(model, dims.ep)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
-            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
+            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule, self.microbatches)
             if error:
                 raise ValueError(error)
         blocks = find_blocks(model, self.wrap)

@@ -1,9 +1,11 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``.
 
 The model is traced once (``torch.distributed.pipelining.pipeline``, torch.export underneath) and
-cut before each split point; each rank keeps its stage(s), with the original parameter names. A
-batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B) runs the forward,
-the loss on the last stage and the backward of every microbatch in one ``schedule.step``.
+cut before each split point; each rank keeps its stage(s), with the original parameter names (which
+stages, and which schedules need several per rank: :mod:`kiln.parallel.pipeline_schedules`). A
+batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B, or the zero-bubble
+interleaved, ZBV and DualPipeV) runs the forward, the loss on the last stage and the backward of
+every microbatch in one ``schedule.step``.
 
 How the Engine's four calls map onto that one step (through :class:`PipelineSteps`' ``loss`` and
 ``backward``, which Pipeline and Hybrid inherit):
@@ -45,6 +47,17 @@ from kiln.core.model import Model
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
 from kiln.parallel.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, ParallelizePlan, parallelize
+from kiln.parallel.pipeline_boundary import keep_traced_dtypes, traced_output_dtypes
+from kiln.parallel.pipeline_schedules import (  # SCHEDULES and stage_count_error: also imported from here
+    MULTI_STAGE,
+    SCHEDULES,
+    V_SHAPED,
+    schedule_class,
+    skip_same_rank_warmup,
+    stage_count_error,
+    stage_ids,
+    stage_rank,
+)
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -62,14 +75,6 @@ __all__ = [
     "full_pipeline_state_dict",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}[name]
-
 
 def validate_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
     """Every split point must name a (non-root) submodule, once. Runs no collective."""
@@ -86,23 +91,6 @@ def validate_split_points(model: nn.Module, split_points: Sequence[str]) -> None
             )
     if len(set(split_points)) != len(split_points):
         raise ValueError(f"Pipeline split_points={list(split_points)!r} names a module twice; list each boundary once")
-
-
-def stage_count_error(num_stages: int, pp: int, schedule: str) -> str | None:
-    """Why ``num_stages`` stages cannot run on ``pp`` ranks under ``schedule`` (None when they can)."""
-    if schedule == "interleaved1f1b":
-        if num_stages % pp or num_stages // pp < 2:
-            return (
-                f"Pipeline(schedule='interleaved1f1b') needs at least 2 stages per rank and a multiple of the "
-                f"{pp} pipeline ranks, but {num_stages - 1} split points make {num_stages} stages; give "
-                f"{2 * pp - 1} split points (or {3 * pp - 1}, ...)"
-            )
-    elif num_stages != pp:
-        return (
-            f"Pipeline(schedule={schedule!r}) runs one stage per rank, but {num_stages - 1} split points make "
-            f"{num_stages} stages for {pp} pipeline ranks; give {pp - 1} split points or launch {num_stages} processes"
-        )
-    return None
 
 
 class PipelineOutput:
@@ -236,7 +224,7 @@ class PipelineRuntime:
     Args:
         model: the full model (traced once; this rank keeps its stages).
         split_points: module names where stages 1, 2, ... begin.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved1f1b"``.
+        schedule: one of :data:`kiln.parallel.pipeline_schedules.SCHEDULES`.
         microbatches: microbatches per batch.
         group / pp_rank / pp_size: the pipeline process group and this rank's place in it.
         device, precision: where stages run, and the autocast to run them under.
@@ -263,9 +251,12 @@ class PipelineRuntime:
         self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
         self.device, self.precision, self.optimizer, self.transform = device, precision, optimizer, transform
         self.num_stages = len(self.split_points) + 1
-        self.stage_ids = list(range(pp_rank, self.num_stages, pp_size))  # "loop" placement of stages
+        # "loop" placement (stage s on rank s % pp), or the V of zbv and dualpipev, whose last stage
+        # is on rank 0 (see kiln.parallel.pipeline_schedules)
+        self.stage_ids = stage_ids(schedule, self.num_stages, pp_rank, pp_size)
         self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
-        self.last_rank = dist.get_global_rank(group, (self.num_stages - 1) % pp_size)
+        last = stage_rank(schedule, self.num_stages - 1, self.num_stages, pp_size)
+        self.last_rank = dist.get_global_rank(group, last)
         self.view = (ModelPipelineModule if isinstance(model, Model) else PipelineModule)(model, self)
         self._names = parameter_names(model)
         # The dtype the step's loss is reported in, the same on every rank (the broadcast from the
@@ -302,18 +293,24 @@ class PipelineRuntime:
         skip = _skip_connection(pipe)
         if skip is not None:
             raise ValueError(f"Pipeline split_points={self.split_points!r}: {skip}")
+        dtypes = [traced_output_dtypes(pipe, i) for i in self.stage_ids]  # before build_stage takes them
         stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
         del pipe  # lets the other ranks' stage modules go
-        for stage in stages:
+        for stage, stage_dtypes in zip(stages, dtypes, strict=True):
+            if self.schedule_name in V_SHAPED:
+                skip_same_rank_warmup(stage)
             if self.transform is not None:
                 self.transform(stage.submod)
+            # after FSDP (in transform): autocast and FSDP's bf16 would send what the receiving
+            # stage's traced buffer cannot hold (see kiln.parallel.pipeline_boundary)
+            keep_traced_dtypes(stage.submod, stage_dtypes)
         self.view.show_stages([stage.submod for stage in stages])
         self.view.train(self.view.training)
         repoint_optimizer(
             self.optimizer, self._names, dict(self.view.named_parameters()), strategy="pp", drop_missing=True
         )
-        cls = _schedule_class(self.schedule_name)
-        target = stages if self.schedule_name == "interleaved1f1b" else stages[0]
+        cls = schedule_class(self.schedule_name)
+        target = stages if self.schedule_name in MULTI_STAGE else stages[0]
         # scale_grads=False: torch would divide the whole .grad by the microbatch count after each
         # step, which also shrinks gradients kept from earlier accumulation steps; the 1/microbatches
         # goes into each microbatch loss instead.
@@ -514,8 +511,11 @@ class Pipeline(PipelineSteps):
 
     Args:
         split_points: module names where a new stage begins, in forward order: one fewer than the
-            ranks (``"gpipe"``, ``"1f1b"``), or ``k * ranks - 1`` for ``"interleaved1f1b"``.
-        schedule: ``"1f1b"`` (default: the least activation memory), ``"gpipe"`` or ``"interleaved1f1b"``.
+            ranks (``"gpipe"``, ``"1f1b"``), ``k * ranks - 1`` for ``"interleaved1f1b"`` and
+            ``"interleaved_zb"``, exactly ``2 * ranks - 1`` for ``"zbv"`` and ``"dualpipev"``.
+        schedule: ``"1f1b"`` (default: the least activation memory), ``"gpipe"``, ``"interleaved1f1b"``,
+            or a zero-bubble one: ``"interleaved_zb"``, ``"zbv"``, ``"dualpipev"`` (two stages per rank
+            in a V: rank r holds stages r and 2 * ranks - 1 - r).
         microbatches: microbatches per batch (default: the number of stages).
         example_input: a batch to trace the model with at setup; by default the first batch is used.
 
@@ -552,7 +552,7 @@ class Pipeline(PipelineSteps):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, ctx: Context, precision: Precision
     ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         validate_split_points(model, self.split_points)  # user errors first, before any collective
-        error = stage_count_error(len(self.split_points) + 1, ctx.world_size, self.schedule)
+        error = stage_count_error(len(self.split_points) + 1, ctx.world_size, self.schedule, self.microbatches)
         if error:
             raise ValueError(error)
         plan = self.parallelize_plan(model, ctx, precision)
