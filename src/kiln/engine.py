@@ -141,6 +141,7 @@ class Engine:
         self._inline_loss = kind.loss is Strategy.loss
         self._inline_backward = kind.backward is Strategy.backward and self.scaler is None
         self._inline_step = kind.optimizer_step is Strategy.optimizer_step and self.scaler is None
+        self._gradient_sync: Callable[[], bool] | None = None  # set_gradient_sync's
         # Where this rank is, for the heartbeat of a plain Engine loop (a Trainer describes its events instead).
         self._last_call, self._num_steps = "initialize", 0
         heartbeat.follow(self._describe, replace=False)
@@ -205,6 +206,16 @@ class Engine:
         self.optimizer_step()
         return True
 
+    def set_gradient_sync(self, sync: Callable[[], bool] | None) -> None:
+        """Call ``sync()`` on the complete gradients before each optimizer step (before clipping and
+        ``before_optimizer_step``); when it returns False the step is dropped and the weights stay.
+        kiln's replica fault tolerance averages over the replica groups there and asks the quorum
+        whether to commit (:mod:`kiln.trainer.fault_tolerance`). ``None`` removes it."""
+        self._gradient_sync = sync
+        # The inline steps bypass optimizer_step(), where the sync runs: off while there is one.
+        plain = type(self.strategy).optimizer_step is Strategy.optimizer_step and self.scaler is None
+        self._inline_step = plain and sync is None
+
     def optimizer_step(self, before_optimizer_step: Callable[[], None] | None = None) -> None:
         """Unscale, clip and step now, whatever the accumulation counter says.
 
@@ -217,6 +228,8 @@ class Engine:
         optimizer = self.optimizer
         if optimizer is None:
             raise RuntimeError("this Engine has no optimizer; pass one to kiln.initialize")
+        if self._gradient_sync is not None and not self._gradient_sync():
+            return  # the replica groups did not commit this step: no update anywhere
         if self.clip_grad_norm is not None:
             # None when the strategy clips inside its optimizer step (DeepSpeed)
             self.last_grad_norm = self.strategy.clip_gradients(self.model, optimizer, self.clip_grad_norm, self.scaler)

@@ -9,7 +9,7 @@ import sys
 __all__ = ["main", "build_parser", "parse_args"]
 
 # subcommand modules, each with add_parser(subparsers) that sets `func`
-_COMMANDS = ["kiln.cli.run"]
+_COMMANDS = ["kiln.cli.run", "kiln.cli.lighthouse"]
 _OPTIONAL_COMMANDS = ["kiln.cli.train", "kiln.cli.checkpoint", "kiln.cli.plan", "kiln.cli.report"]
 
 

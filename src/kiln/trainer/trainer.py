@@ -34,6 +34,7 @@ from kiln.trainer.building import build_engine, check_algorithms, check_schedule
 from kiln.trainer.evaluation import evaluate_due, evaluate_sets, predict
 from kiln.trainer.evaluator import Evaluator, as_evaluators, evaluates_on
 from kiln.trainer.events import EventRunner
+from kiln.trainer.fault_tolerance import FaultTolerance, ReplicaGroup, as_fault_tolerance
 from kiln.trainer.options import (
     CheckpointOptions,
     DataOptions,
@@ -95,6 +96,10 @@ class Trainer:
             and at each tenth of the run, a line for the first step, for each evaluation and at the
             end (see :class:`kiln.trainer.progress.ProgressBar`).
         engine, logger: the Colossal-AI form ``Trainer(engine=engine, logger=logger)``.
+        fault_tolerance: run as one replica group of a torchft job: a dict or
+            :class:`kiln.trainer.FaultTolerance` (Lighthouse address, this group's index, ...); steps
+            commit only when the quorum of live groups agrees, and a restarted group takes the state
+            of a live one. ``trainer.fault_tolerance`` is then the :class:`~kiln.trainer.fault_tolerance.ReplicaGroup`.
 
     Example::
 
@@ -151,6 +156,7 @@ class Trainer:
         train_subset_num_batches: int | None = None,
         stateful_dataloader: bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        fault_tolerance: FaultTolerance | Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(model, Engine) and engine is None:  # Colossal-AI's Trainer(engine)
             model, engine = None, model
@@ -179,6 +185,7 @@ class Trainer:
                 storage_options,
             ),
         )
+        replicas = as_fault_tolerance(fault_tolerance)
         ctx = join_launcher()  # under torchrun, SLURM or Open MPI: their world, as launch_from_* would
         if seed is not None:
             seed_everything(seed)
@@ -243,6 +250,8 @@ class Trainer:
         state.config = self.config  # recorded in each checkpoint's manifest
         state.max_duration = opts.duration.max_duration
         check_algorithms(state.algorithms, engine)
+        # torchft's Manager for this replica group: it hooks the Engine's step and the loop's events.
+        self.fault_tolerance = ReplicaGroup(replicas, state, engine) if replicas is not None else None
 
         self.logger = Logger(opts.logging.loggers, rank=ctx.rank, state=state)
         self.events = EventRunner(state, self.logger)
@@ -265,7 +274,9 @@ class Trainer:
             schedulers, state, opts.duration.step_schedulers_every_batch, opts.duration.scale_schedule_ratio
         )
         self._saver = None
-        if save_folder is not None:
+        if self.fault_tolerance is not None:  # before the saver: its quorum comes first at each event
+            self.events.add(self.fault_tolerance)
+        if save_folder is not None and (self.fault_tolerance is None or self.fault_tolerance.writes_checkpoints):
             from kiln.checkpoint import CheckpointSaver  # checkpoint code loads only when used
 
             self._saver = CheckpointSaver(
@@ -288,14 +299,10 @@ class Trainer:
             return
         if not isinstance(loader, ResumableLoader):  # one the user built is used as it is
             seed = self.state.seed if self.state.seed is not None else 1024
-            engine = self.engine
-            loader = resumable_train_loader(
-                loader,
-                seed,
-                engine.data_parallel_size,
-                engine.data_parallel_rank,
-                self.options.data.stateful_dataloader,
-            )
+            shares, share = self.engine.data_parallel_size, self.engine.data_parallel_rank
+            if self.fault_tolerance is not None:  # each replica group reads its own part of the data
+                shares, share = self.fault_tolerance.data_shard(shares, share)
+            loader = resumable_train_loader(loader, seed, shares, share, self.options.data.stateful_dataloader)
             subset, resumable = self.options.duration.train_subset_num_batches, self.state.dataloader
             # the run's position (a loaded checkpoint's, or the last loader's) goes on
             if isinstance(resumable, ResumableLoader):

@@ -1,0 +1,300 @@
+"""Replica fault tolerance on torchft: a job of replica groups that outlives the death of any one.
+
+Each replica group is its own launch (``kiln run``, SLURM, or a single process) with any strategy
+inside it; torchft's Lighthouse (``kiln lighthouse``) forms a *quorum* of the groups that are alive
+and its Manager, one per group, runs each step through it. Per step, in the Trainer's loop:
+
+1. before the step's batch is fetched (``BEFORE_DATALOADER``; the first time at ``FIT_START``,
+   before the loader is iterated): ``manager.start_quorum()``, synchronously. A group that is behind
+   (a restarted one, or one that did not commit the last step) receives the weights, optimizer and
+   kiln training state (timestamp, data position, RNG, schedulers, callbacks: the per-rank state a
+   checkpoint holds, :func:`kiln.checkpoint.state.collect_training_state`) from a live peer over
+   torchft's checkpoint transport, and loads them here, before it reads a batch;
+2. on the complete gradients, before clipping (the Engine's ``gradient_sync`` hook): the
+   gradients are averaged over the groups of the quorum with ``manager.allreduce`` (after the
+   group's own data parallelism averaged them inside the group), then ``manager.should_commit()``
+   says whether every group got through; only then does the optimizer step. A step that does not
+   commit changes no weights; its batch is skipped, as in torchft.
+
+Groups read disjoint shares of the data (``num_replica_groups`` x the group's data-parallel size);
+a dead group's share is not read while it is away. The Timestamp counts this group's samples.
+Checkpoints are written by one group (``save_group``); any group resumes from them.
+
+What torchft leaves to the caller and kiln chooses here: the quorum is synchronous
+(``use_async_quorum=False``) so that a healed group never trains a step on stale weights, and the
+cross-group process group is torchft's ``ProcessGroupGloo`` (CPU tensors; the reconfiguration on a
+new quorum is torchft's).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.core.callback import Callback
+from kiln.core.names import did_you_mean
+
+if TYPE_CHECKING:
+    from kiln.core.state import State
+    from kiln.engine import Engine
+
+__all__ = ["FaultTolerance", "ReplicaGroup", "as_fault_tolerance"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultTolerance:
+    """How this replica group joins the others (``Trainer(fault_tolerance=...)``, YAML ``fault_tolerance:``).
+
+    Args:
+        lighthouse: the Lighthouse's address, ``http://host:port`` (None: ``$TORCHFT_LIGHTHOUSE``).
+        replica_group: this group's index, 0 to ``num_replica_groups - 1`` (None: ``$REPLICA_GROUP_ID``).
+        num_replica_groups: how many groups the job is planned with; the data is split into that
+            many shares (None: ``$NUM_REPLICA_GROUPS``).
+        min_replicas: the fewest groups a step commits with.
+        timeout: seconds for a cross-group collective, ``should_commit`` and a recovery transfer; a
+            hung group stalls the others at most this long before it is dropped from the quorum.
+        quorum_timeout: seconds to wait for a quorum (longer than a step: a group waits for the others).
+        connect_timeout: seconds to reach the Lighthouse and the other groups' managers.
+        save_group: the group that writes checkpoints (the others do not; any group loads them).
+        hostname: the address the other groups reach this group at (None: this host's name).
+
+    Example::
+
+        trainer = kiln.Trainer(model, ..., fault_tolerance={"lighthouse": "http://node0:29510",
+                                                            "replica_group": 1, "num_replica_groups": 2})
+    """
+
+    lighthouse: str | None = None
+    replica_group: int | None = None
+    num_replica_groups: int | None = None
+    min_replicas: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 60.0
+    connect_timeout: float = 60.0
+    save_group: int = 0
+    hostname: str | None = None
+
+    def __post_init__(self) -> None:
+        env = {
+            "lighthouse": "TORCHFT_LIGHTHOUSE",
+            "replica_group": "REPLICA_GROUP_ID",
+            "num_replica_groups": "NUM_REPLICA_GROUPS",
+        }
+        for name, var in env.items():  # the variables torchft's own launchers set
+            if getattr(self, name) is None and os.environ.get(var):
+                value: Any = os.environ[var]
+                if name != "lighthouse":
+                    try:
+                        value = int(value)
+                    except ValueError:
+                        raise ValueError(f"${var}={value!r} is not an integer; set it to this group's index") from None
+                object.__setattr__(self, name, value)
+            if getattr(self, name) is None:
+                raise ValueError(f"fault_tolerance.{name} is not set; pass it, or set ${var}")
+        if not str(self.lighthouse).startswith(("http://", "https://")):
+            raise ValueError(
+                f"fault_tolerance.lighthouse={self.lighthouse!r} is not an address; expected http://host:port "
+                "(what `kiln lighthouse` prints)"
+            )
+        for name in ("num_replica_groups", "min_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"fault_tolerance.{name}={value!r} must be an int >= 1")
+        groups = self.num_replica_groups
+        assert groups is not None  # set above
+        for name in ("replica_group", "save_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < groups:
+                raise ValueError(
+                    f"fault_tolerance.{name}={value!r} must be an int from 0 to num_replica_groups - 1 = {groups - 1}"
+                )
+        if self.min_replicas > groups:
+            raise ValueError(
+                f"fault_tolerance.min_replicas={self.min_replicas} exceeds num_replica_groups={groups}: no step "
+                "could ever commit; lower min_replicas"
+            )
+        for name in ("timeout", "quorum_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"fault_tolerance.{name}={value!r} must be a positive number of seconds")
+
+
+def as_fault_tolerance(value: FaultTolerance | Mapping[str, Any] | None) -> FaultTolerance | None:
+    """The Trainer's ``fault_tolerance=``: None, a :class:`FaultTolerance`, or a dict of its fields."""
+    if value is None or isinstance(value, FaultTolerance):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"fault_tolerance={value!r} is a {type(value).__name__}; expected a dict or kiln.trainer.FaultTolerance"
+        )
+    known = [f.name for f in fields(FaultTolerance)]
+    for key in value:
+        if key not in known:
+            raise ValueError(
+                f"fault_tolerance has an unknown key {key!r}{did_you_mean(key, known)}; expected some of {known}"
+            )
+    return FaultTolerance(**value)
+
+
+class ReplicaGroup(Callback):
+    """This replica group's torchft Manager, run by the Trainer's loop (see the module docstring).
+
+    Built by the Trainer from its ``fault_tolerance=`` option; ``trainer.fault_tolerance`` is this
+    object. It counts ``num_attempted`` and ``num_committed`` steps and keeps ``num_participants``,
+    the groups in the last quorum; its ``state_dict`` (the Manager's step) goes into checkpoints.
+    """
+
+    def __init__(self, options: FaultTolerance, state: State, engine: Engine) -> None:
+        try:
+            from torchft import Manager, ProcessGroupGloo
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"fault_tolerance= needs torchft ({exc}); install it with: pip install 'kiln[ft]'"
+            ) from exc
+        self.options = options
+        self.state, self.engine = state, engine
+        assert options.replica_group is not None  # FaultTolerance set it, from $REPLICA_GROUP_ID if need be
+        self.group: int = options.replica_group
+        self.num_attempted = self.num_committed = 0
+        self.num_participants = 0
+        self.quorum_seconds = 0.0  # time spent waiting for quorums (a dead group's cost shows here)
+        self._open = False  # a quorum is started and its step not yet committed
+        ctx = engine.ctx
+        hostname = options.hostname or socket.gethostname()
+        # The group's own TCPStore: torchrun's (MASTER_ADDR/PORT), else one of ours. The other groups
+        # reach it to build the cross-group process group, so it listens on every interface.
+        self._store: Any = None
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") and ctx.world_size > 1:
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        elif ctx.world_size == 1:
+            self._store = torch.distributed.TCPStore(hostname, 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = hostname, self._store.port
+        else:
+            raise RuntimeError(
+                "fault_tolerance= with a group of several processes needs the launcher's store: run the group "
+                "with `kiln run` (torchrun), which sets MASTER_ADDR and MASTER_PORT"
+            )
+        seconds = timedelta(seconds=options.timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=seconds),
+            load_state_dict=self._load_peer_state,
+            state_dict=self._peer_state,
+            min_replica_size=options.min_replicas,
+            use_async_quorum=False,
+            timeout=seconds,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout),
+            connect_timeout=timedelta(seconds=options.connect_timeout),
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=options.lighthouse,
+            replica_id=f"kiln_group_{self.group}",
+            hostname=hostname,
+        )
+        engine.set_gradient_sync(self.sync_gradients)
+
+    # -- the per-step protocol ---------------------------------------------------------------------
+    def start_quorum(self) -> None:
+        """Join this step's quorum (once per step); a group behind the others heals here."""
+        if self._open:
+            return
+        start = time.perf_counter()
+        self.manager.start_quorum()
+        self.quorum_seconds += time.perf_counter() - start
+        self.num_participants = self.manager.num_participants()
+        self._open = True
+
+    def sync_gradients(self) -> bool:
+        """Average the gradients over the quorum's groups; True when every group commits this step."""
+        self.start_quorum()  # an Engine driven outside fit() has no quorum yet
+        manager = self.manager
+        grads = [_local(p.grad) for p in _parameters(self.engine.optimizer) if p.grad is not None]
+        if grads:
+            # One flat buffer per dtype: one allreduce instead of one per tensor.
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for grad in grads:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+            pending = []
+            for group in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in group])
+                pending.append((group, flat, manager.allreduce(flat)))  # averaged over the participants
+            for group, flat, work in pending:
+                work.wait()  # an error is recorded by the Manager and turns should_commit False
+                offset = 0
+                for grad in group:
+                    grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+        self.num_attempted += 1
+        self._open = False
+        committed = manager.should_commit()
+        self.num_committed += int(committed)
+        return committed
+
+    # -- the loop's events -------------------------------------------------------------------------
+    def fit_start(self, state: State, logger: Any) -> None:
+        # Before the loop iterates the loader: a restarted group takes a peer's data position here.
+        self.start_quorum()
+
+    def before_dataloader(self, state: State, logger: Any) -> None:
+        self.start_quorum()
+
+    def close(self, state: State, logger: Any) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the Manager's servers (the Lighthouse then drops this group at its next quorum)."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+    # -- what a healing group receives -------------------------------------------------------------
+    def _peer_state(self) -> dict[str, Any]:
+        from kiln.checkpoint.state import collect_training_state, model_optimizer_state
+
+        return {"tensors": model_optimizer_state(self.state), "training": collect_training_state(self.state)}
+
+    def _load_peer_state(self, saved: Mapping[str, Any]) -> None:
+        from kiln.checkpoint.state import load_model_optimizer_state, restore_training_state
+
+        load_model_optimizer_state(self.state, saved["tensors"])
+        restore_training_state(self.state, saved["training"], source="the state from a live replica group")
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.manager.state_dict()) if self.manager is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state and self.manager is not None:
+            self.manager.load_state_dict(state)
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.group == self.options.save_group
+
+    def data_shard(self, size: int, rank: int) -> tuple[int, int]:
+        """This rank's share of the data across every group: (number of shares, index)."""
+        groups = self.options.num_replica_groups
+        assert groups is not None  # FaultTolerance set it
+        return size * groups, self.group * size + rank
+
+
+def _parameters(optimizer: Any) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (the same rank of every group holds the
+    same shard, and torchft's process group pairs those ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return grad._local_tensor if isinstance(grad, DTensor) else grad

@@ -1,0 +1,125 @@
+"""One replica group of tests/test_fault_tolerance.py: a one-process Trainer joined to the others
+by torchft (fault_tolerance=), logging each step as one JSON line (one os.write, whole lines).
+
+    python ft_group.py GROUP LIGHTHOUSE DIR LIFE [DIE_AT]
+
+LIFE 1 waits for the other group's ``ready`` file after building its Trainer (so both Managers
+heartbeat before the first quorum). DIE_AT: SIGKILL this process in the middle of that step (after
+its forward, before its backward), a death with no cleanup at all.
+
+The run ends by a rule both groups compute from the quorums alone, so they stop at the same step:
+``DUMP`` steps after the first step (past the death) on which both groups take part again, each
+group writes its model and optimizer state to ``DIR/final-g<GROUP>.pt``; group 0 then goes on
+until it has committed ``ALONE`` steps without group 1 (the test stops group 1 with SIGSTOP after
+the dump: a hung group) and stops. A group stepping without the other sleeps a little per step, so
+the outage spans a bounded number of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import kiln
+
+DUMP, ALONE = 3, 3
+group, lighthouse, folder, life = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+die_at = int(sys.argv[5]) if len(sys.argv) > 5 else -1
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(512, 4), torch.randn(512, 1))
+model = nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+
+
+def emit(record: dict) -> None:
+    os.write(1, (json.dumps(record) + "\n").encode())
+
+
+class Drill(kiln.Callback):
+    def __init__(self) -> None:
+        self.committed = 0
+        self.outage = life == 2  # group 0 sees it as a step without group 1
+        self.together: int | None = None  # the first step after the outage with both groups
+        self.dumped: int | None = None
+        self.alone = 0  # steps group 0 committed without group 1 after the dump
+
+    def after_forward(self, state, logger) -> None:
+        if state.timestamp.batch.value + 1 == die_at:
+            emit({"event": "die", "g": group, "t": die_at, "time": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def batch_end(self, state, logger) -> None:
+        ft = trainer.fault_tolerance
+        t, n = state.timestamp.batch.value, ft.num_participants
+        committed = ft.num_committed > self.committed
+        self.committed = ft.num_committed
+        inputs, targets = state.batch
+        emit(
+            {
+                "event": "step",
+                "g": group,
+                "t": t,
+                "n": n,
+                "committed": committed,
+                "loss": float(state.loss),
+                "x": inputs.tolist(),
+                "y": targets.tolist(),
+                "time": time.time(),
+                "attempted": ft.num_attempted,
+                "num_committed": ft.num_committed,
+            }
+        )
+        self.outage = self.outage or n == 1
+        if self.together is None and self.outage and n == 2:
+            self.together = t
+        if self.together is not None and t == self.together + DUMP:
+            self.dumped = t
+            saved = {"t": t, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            torch.save(saved, folder / f"final-g{group}.pt")
+            emit({"event": "dumped", "g": group, "t": t, "time": time.time()})
+        if self.dumped is not None and t > self.dumped:
+            self.alone += n == 1 and committed
+            if self.alone >= ALONE:
+                state.stop_training()
+        if n == 1 or self.dumped is not None:
+            time.sleep(0.05)  # a bounded number of steps while the test restarts or stops group 1
+
+
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=4),
+    criterion=nn.MSELoss(),
+    optimizers=optimizer,
+    max_duration="1000ba",
+    progress_bar=False,
+    seed=0,
+    callbacks=[Drill()],
+    save_folder=str(folder / "checkpoints"),
+    save_interval="1000ba",
+    save_type="merged",
+    fault_tolerance={
+        "lighthouse": lighthouse,
+        "replica_group": group,
+        "num_replica_groups": 2,
+        "timeout": 2,
+        "quorum_timeout": 30,
+        "connect_timeout": 10,
+        "hostname": "127.0.0.1",
+    },
+)
+emit({"event": "built", "g": group, "writes": trainer._saver is not None, "time": time.time()})
+if life == 1:
+    (folder / f"ready-g{group}").touch()
+    while not (folder / f"ready-g{1 - group}").exists():
+        time.sleep(0.01)
+trainer.fit()
+emit({"event": "done", "g": group, "t": trainer.state.timestamp.batch.value, "time": time.time()})
+trainer.close()
