@@ -4,12 +4,10 @@ standard library's sources, zero3 x tp on 4 real processes, with compile and act
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from distributed import ROOT, base_env, check, kiln_run
+from distributed import ROOT, check, kiln_run
 
 pytest.importorskip("transformers")
 
@@ -39,22 +37,7 @@ def test_python_example_zero3_x_tp_compiled_and_checkpointed(tmp_path):
     assert float(values["throughput/tokens_per_sec"]) > 0 and 0 < float(values["throughput/mfu"]) < 1
 
 
-@pytest.mark.world_size(2)
-def test_yaml_twin_trains_under_the_config_cli(tmp_path):
-    overrides = [
-        "--nproc-per-node", "2", "--compute_config.tp", "2",
-        "--compile", "false", "--max_train_steps", "2", "--micro_batch_size", "2", "--global_batch_size", "2",
-        "--dataset.train_args.seq_len", "32", "--dataset.val_args.seq_len", "32",
-        "--dataset.train_args.max_bytes", "40000", "--dataset.val_args.max_bytes", "40000",
-        "--model.args.config.hidden_size", "32", "--model.args.config.num_hidden_layers", "2",
-        "--checkpoint.save_dir", str(tmp_path / "checkpoints"),
-    ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / "lm_pretrain.yaml"), *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=base_env(),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (tmp_path / "checkpoints" / "last").exists()
+# The YAML twin trains under the config CLI in tests/test_hygiene.py (one launch for both checks).
 
 
 @pytest.mark.parametrize("tp", [1, 2])
