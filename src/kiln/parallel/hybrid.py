@@ -29,6 +29,7 @@ from kiln.parallel.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
 from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error, validate_split_points
 from kiln.parallel.tensor import check_tp_size, matching_modules, resolve_tp_plan
+from kiln.parallel.tp_trace import traced_as_tp_rank
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -148,6 +149,9 @@ class Hybrid(PipelineSteps):
             mesh.get_local_rank("pp"),
             plan.dims.pp,
             prepare_stage=prepare_stage,
+            # the trace sees each split layer as one tensor-parallel rank will (grouped-query attention's
+            # repeated heads are sized from it): kiln.parallel.tp_trace
+            trace_context=lambda traced: traced_as_tp_rank(traced, plan.tp_plan, plan.dims.tp if plan.dims else 1),
         ), optimizer
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:

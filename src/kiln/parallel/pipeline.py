@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -246,10 +247,12 @@ class PipelineRuntime:
         precision: Precision,
         optimizer: torch.optim.Optimizer | None,
         transform: Callable[[nn.Module], None] | None = None,
+        trace_context: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.model, self.split_points, self.schedule_name = model, list(split_points), schedule
         self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
         self.device, self.precision, self.optimizer, self.transform = device, precision, optimizer, transform
+        self.trace_context = trace_context  # entered around the trace (Hybrid's tensor parallelism: tp_trace)
         self.num_stages = len(self.split_points) + 1
         # "loop" placement (stage s on rank s % pp), or the V of zbv and dualpipev, whose last stage
         # is on rank 0 (see kiln.parallel.pipeline_schedules)
@@ -278,12 +281,13 @@ class PipelineRuntime:
 
         args = self._stage_inputs(args)
         mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
-        pipe = pipeline(
-            self.model,
-            mb_args=mb_args[0],
-            mb_kwargs=mb_kwargs[0],
-            split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
-        )
+        with self.trace_context(self.model) if self.trace_context is not None else nullcontext():
+            pipe = pipeline(
+                self.model,
+                mb_args=mb_args[0],
+                mb_kwargs=mb_kwargs[0],
+                split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
+            )
         if pipe.num_stages != self.num_stages:
             raise ValueError(
                 f"Pipeline split_points={self.split_points!r} gave {pipe.num_stages} stages instead of "
@@ -453,6 +457,7 @@ class PipelineSteps(Strategy):
         pp_size: int,
         *,
         prepare_stage: Callable[[nn.Module], None] | None = None,
+        trace_context: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
     ) -> nn.Module:
         """The whole-model steps, then the cut into stages (on the first batch, or now from
         ``example_input``), then the per-stage steps on each of this rank's stages (see
@@ -483,6 +488,7 @@ class PipelineSteps(Strategy):
             plan.precision,
             optimizer,
             transform=transform,
+            trace_context=trace_context,
         )
         if self.example_input is not None:
             example = self.example_input

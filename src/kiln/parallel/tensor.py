@@ -191,8 +191,10 @@ def check_tp_size(model: nn.Module, plan: Mapping[str, Any], tp: int, *, pipelin
     ``head_dim`` and a ``config`` with ``num_attention_heads`` (transformers' convention).
 
     ``pipeline``: the model is also cut into pipeline stages, which traces it before tensor
-    parallelism splits it; grouped-query attention then keeps the whole model's head counts in
-    the traced graph (transformers' ``repeat_kv``) and fails, so it is refused.
+    parallelism splits it. The trace sees each split Linear as one rank will
+    (:mod:`kiln.parallel.tp_trace`), so grouped-query attention's repeated heads get a rank's
+    counts; a split layer of a grouped-query attention whose style leaves sizes kiln cannot tell
+    (a custom ``ParallelStyle``) is refused.
 
     Raises ``ValueError`` naming the layer, the counts and the sizes that fit. Runs no collective.
     """
@@ -212,12 +214,7 @@ def check_tp_size(model: nn.Module, plan: Mapping[str, Any], tp: int, *, pipelin
                 continue
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             if pipeline and kv_heads != heads:
-                raise ValueError(
-                    f"tensor parallelism inside pipeline stages cannot split the grouped-query attention "
-                    f"{parent_name!r} ({heads} query heads, {kv_heads} key/value heads): the pipeline traces the "
-                    "model before tensor parallelism splits it, and the traced graph keeps the whole model's "
-                    "head counts; use pp with data parallelism (dp_shard/dp_replicate), or tp without pp"
-                )
+                _check_traceable_split(model, plan, tp, parent_name, heads, kv_heads)
             for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
                 if count % tp:
                     fits = [d for d in range(2, heads + 1) if heads % d == 0 and kv_heads % d == 0]
@@ -227,6 +224,27 @@ def check_tp_size(model: nn.Module, plan: Mapping[str, Any], tp: int, *, pipelin
                         f"heads); use a tensor-parallel size in {fits or '(none: keep tp=1)'}, or a plan that "
                         "leaves the attention whole"
                     )
+
+
+def _check_traceable_split(
+    model: nn.Module, plan: Mapping[str, Any], tp: int, attention: str, heads: int, kv_heads: int
+) -> None:
+    # A traced pipeline stage keeps the sizes of the trace: it must see what one rank computes
+    from kiln.parallel.tp_trace import local_linear_features
+
+    prefix = f"{attention}." if attention else ""
+    for pattern, style in plan.items():
+        for name in matching_modules(model, pattern):
+            if not name.startswith(prefix) or "." in name[len(prefix) :]:
+                continue
+            if local_linear_features(model.get_submodule(name), style, tp) is None:
+                raise ValueError(
+                    f"tensor parallelism inside pipeline stages cannot split the grouped-query attention "
+                    f"{attention!r} ({heads} query heads, {kv_heads} key/value heads) with plan[{pattern!r}]="
+                    f"{style!r}: the pipeline traces the model as one rank computes it, and kiln does not know "
+                    "what that style leaves on a rank; use 'colwise'/'rowwise' (torch's ColwiseParallel/"
+                    "RowwiseParallel with their default layouts) there, or tp without pp"
+                )
 
 
 def apply_tp(model: nn.Module, tp_mesh, plan: Mapping[str, Any]) -> nn.Module:
