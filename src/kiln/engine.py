@@ -142,6 +142,8 @@ class Engine:
         self._inline_backward = kind.backward is Strategy.backward and self.scaler is None
         self._inline_step = kind.optimizer_step is Strategy.optimizer_step and self.scaler is None
         self._gradient_sync: Callable[[], bool] | None = None  # set_gradient_sync's
+        # A strategy that runs each microbatch inside a context (context parallelism) takes the general path.
+        self._microbatch_context = kind.microbatch_context is not Strategy.microbatch_context
         # Where this rank is, for the heartbeat of a plain Engine loop (a Trainer describes its events instead).
         self._last_call, self._num_steps = "initialize", 0
         heartbeat.follow(self._describe, replace=False)
@@ -283,7 +285,12 @@ class Engine:
             loss = engine.train_step(split_batch(batch, 8), lambda mb: engine.criterion(engine(mb[0]), mb[1]))
         """
         optimizer = self.optimizer
-        if self._accum == 1 and len(microbatches) == 1 and (weighting == "samples" or weighting == "sum"):
+        if (
+            self._accum == 1
+            and len(microbatches) == 1
+            and (weighting == "samples" or weighting == "sum")
+            and not self._microbatch_context
+        ):
             # The common step, the general path below without its bookkeeping (the hot path of the
             # Trainer: benchmarks/overhead.py): one microbatch, weight 1, DDP's sync left on.
             if optimizer is not None:
@@ -354,15 +361,16 @@ class Engine:
             for index, microbatch in enumerate(microbatches):
                 if sync_each:
                     strategy.set_grad_sync(model, sync and index == last)
-                loss = loss_of(microbatch)
-                self._last_call = "backward"
-                if weights is None:
-                    strategy.backward(model, loss, self._loss_scale, scaler)
-                else:
-                    weight = weights[index]
-                    strategy.backward(model, loss, weight if accum == 1 else weight / accum, scaler)
-                    part = loss.detach() * weight
-                    total = part if total is None else total + part
+                with strategy.microbatch_context(microbatch):
+                    loss = loss_of(microbatch)
+                    self._last_call = "backward"
+                    if weights is None:
+                        strategy.backward(model, loss, self._loss_scale, scaler)
+                    else:
+                        weight = weights[index]
+                        strategy.backward(model, loss, weight if accum == 1 else weight / accum, scaler)
+                        part = loss.detach() * weight
+                        total = part if total is None else total + part
                 if after_backward is not None:
                     after_backward()
         finally:

@@ -36,6 +36,8 @@ class ComputeConfig:
         pp: pipeline-parallel degree (a value above 1 selects the hybrid strategy).
         ep: expert-parallel degree: the experts of the model's kiln.models.MoE layers split over
             this many ranks, taken from dp_shard (a value above 1 selects the hybrid strategy).
+        cp: context-parallel degree: each sequence split over this many ranks, which read the same
+            batch (ring attention, CUDA only; a value above 1 selects the hybrid strategy).
         plan_ngpus: processes that hold one model replica (nnScaler); the rest is data parallel.
         runtime_ngpus: the world size this config is for; must equal the real world size when set.
         use_zero: shard optimizer state across data-parallel ranks (ZeRO-1: 'ddp' becomes 'zero1').
@@ -60,6 +62,7 @@ class ComputeConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     plan_ngpus: int | None = None
     runtime_ngpus: int | None = None
     use_zero: bool = False
@@ -81,7 +84,7 @@ class ComputeConfig:
             raise ConfigError(
                 format_error("timeout", self.timeout, "a positive number of seconds, e.g. 600"), path="timeout"
             )
-        for name in ("dp_replicate", "tp", "pp", "ep", "plan_ngpus", "runtime_ngpus"):
+        for name in ("dp_replicate", "tp", "pp", "ep", "cp", "plan_ngpus", "runtime_ngpus"):
             check_count(self, name)
         check_count(self, "dp_shard", also=(-1,))
         if self.zero_ngroups != 1:
@@ -149,8 +152,8 @@ class ComputeConfig:
 
     @property
     def mesh_size(self) -> int:
-        """Processes per model replica: ``plan_ngpus`` if set, else ``tp * pp``."""
-        return self.plan_ngpus or self.tp * self.pp
+        """Processes that read one batch: ``plan_ngpus`` if set, else ``tp * pp * cp``."""
+        return self.plan_ngpus or self.tp * self.pp * self.cp
 
     def check_expert_parallel(self, world_size: int) -> None:
         """Refuse an ``ep`` that does not divide ``dp_shard`` in a world of ``world_size`` (expert
@@ -176,7 +179,14 @@ class ComputeConfig:
         value: object  # the field value that chose the strategy, for the error message
         if self.strategy is not None:
             name, path, value = self.strategy, "compute_config.strategy", self.strategy
-        elif self.tp > 1 or self.pp > 1 or self.ep > 1 or self.dp_replicate > 1 or self.dp_shard is not None:
+        elif (
+            self.tp > 1
+            or self.pp > 1
+            or self.ep > 1
+            or self.cp > 1
+            or self.dp_replicate > 1
+            or self.dp_shard is not None
+        ):
             name, path, value = "hybrid", "compute_config.tp", self.tp
         else:
             name, path, value = self._policy_strategy(pas_policy), "pas_policy", pas_policy

@@ -23,6 +23,7 @@ lr_scheduler.interval                                   step_schedulers_every_ba
 stateful_dataloader                                     stateful_dataloader
 log / hook / enable_progress_bar / seed / instance_name  loggers / callbacks / progress_bar / seed / run_name
 console_interval                                        console_interval
+fault_tolerance                                         fault_tolerance
 ======================================================  ==============================================
 """
 
@@ -243,7 +244,15 @@ def _strategy(args: TrainerArgs, ctx: Any) -> Any:
     options = dict(cc.strategy_options)
     if name == "hybrid":
         tp, pp = cc.mesh_degrees(args.pas_policy)
-        options = {"dp_replicate": cc.dp_replicate, "dp_shard": cc.dp_shard, "tp": tp, "pp": pp, "ep": cc.ep, **options}
+        options = {
+            "dp_replicate": cc.dp_replicate,
+            "dp_shard": cc.dp_shard,
+            "tp": tp,
+            "pp": pp,
+            "ep": cc.ep,
+            "cp": cc.cp,
+            **options,
+        }
     return get_strategy(name, ctx, **options) if options else name
 
 
@@ -332,6 +341,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
         seed=args.seed,
         progress_bar=args.enable_progress_bar,
         console_interval=args.console_interval,
+        fault_tolerance=args.fault_tolerance,
         step_schedulers_every_batch=args.lr_scheduler is not None and args.lr_scheduler.interval == "step",
         run_name=args.instance_name,
         config=args.to_dict(),

@@ -227,17 +227,24 @@ class MoELlama(Model):
                 "raise max_seq_len or shorten the sequences"
             )
         x = self.embed(tokens)
-        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        positions = batch.get("position_ids") if isinstance(batch, Mapping) else None
+        if positions is None:
+            cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        else:  # a slice of longer sequences (context parallelism): its tokens' own positions
+            cos, sin = self.cos[positions].unsqueeze(1).to(x.dtype), self.sin[positions].unsqueeze(1).to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))
 
     def loss(self, outputs: torch.Tensor, batch: Any) -> torch.Tensor:
-        """Next-token cross-entropy plus the MoE layers' auxiliary losses (``load_balance="aux_loss"``)."""
-        labels = _labels(batch)
-        ce = F.cross_entropy(
-            outputs[:, :-1].reshape(-1, outputs.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        """Next-token cross-entropy plus the MoE layers' auxiliary losses (``load_balance="aux_loss"``).
+        A batch's ``shift_labels`` (labels already moved one to the left, as context parallelism
+        gives them) are taken as they are, against every position."""
+        if isinstance(batch, Mapping) and "shift_labels" in batch:
+            logits, target = outputs, batch["shift_labels"]
+        else:
+            logits, target = outputs[:, :-1], _labels(batch)[:, 1:]
+        ce = F.cross_entropy(logits.reshape(-1, outputs.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
         return ce + aux_loss(self) if self.training else ce
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:

@@ -13,16 +13,21 @@ holds when it is applied.
 ``ep > 1`` is expert parallelism (:mod:`kiln.parallel.expert`): the experts of the model's
 :class:`kiln.models.MoE` layers split over ``ep`` ranks taken from ``dp_shard``, tokens sent to them
 with all-to-alls; the experts are FSDP-sharded over the rest of ``dp_shard``.
+
+``cp > 1`` is context parallelism (:mod:`kiln.parallel.context`): each sequence of a batch split
+over ``cp`` ranks, which run torch's ring attention; FSDP shards over ``dp_shard x cp``. CUDA only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from kiln.parallel.context import ContextParallel, check_context_parallel
 from kiln.parallel.expert import check_expert_parallel
 from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.mesh import ParallelDims, dp_coordinate
@@ -50,6 +55,8 @@ class Hybrid(PipelineSteps):
         pp: pipeline stages; needs ``split_points``.
         ep: expert-parallel ranks (MoE experts split over them); must divide ``dp_shard`` and each
             MoE layer's ``num_experts``; not with ``pp``.
+        cp: context-parallel ranks (each sequence split over them, ring attention; causal LMs with
+            dict batches of ``input_ids``/``labels``, on CUDA); not with ``pp`` or ``ep``.
         tp_plan: see :class:`kiln.parallel.TensorParallel`.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
         wrap / reshard_after_forward / cpu_offload: see :class:`kiln.parallel.FSDP`.
@@ -61,6 +68,7 @@ class Hybrid(PipelineSteps):
 
         strategy = kiln.parallel.Hybrid(dp_shard=2, tp=2, tp_plan={"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
         strategy = kiln.parallel.Hybrid(dp_shard=-1, ep=2)     # a MoE model: experts over 2 ranks
+        strategy = kiln.parallel.Hybrid(dp_shard=-1, cp=4)     # long sequences: each over 4 GPUs
     """
 
     name = "hybrid"
@@ -73,6 +81,7 @@ class Hybrid(PipelineSteps):
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        cp: int = 1,
         *,
         tp_plan: Mapping[str, Any] | None = None,
         split_points: Sequence[str] = (),
@@ -83,7 +92,14 @@ class Hybrid(PipelineSteps):
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
     ) -> None:
-        self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep)
+        self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp)
+        if cp > 1 and (pp > 1 or ep > 1):
+            other = f"pp={pp}" if pp > 1 else f"ep={ep}"
+            raise ValueError(
+                f"Hybrid(cp={cp}, {other}): context parallelism is not combined with "
+                f"{'pipeline' if pp > 1 else 'expert'} parallelism in kiln yet; use cp with dp_replicate, "
+                "dp_shard and tp, or set cp=1"
+            )
         if ep > 1 and pp > 1:
             raise ValueError(
                 f"Hybrid(ep={ep}, pp={pp}): expert parallelism does not run inside pipeline stages (a MoE "
@@ -101,6 +117,7 @@ class Hybrid(PipelineSteps):
         self.wrap, self.reshard_after_forward, self.cpu_offload = wrap, reshard_after_forward, cpu_offload
         self.pipeline: PipelineRuntime | None = None
         self.data_parallel_rank, self.data_parallel_size = 0, 1
+        self.context_parallel: ContextParallel | None = None
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # Every user error is raised here, before the mesh exists (no collective has run).
@@ -108,9 +125,10 @@ class Hybrid(PipelineSteps):
         tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         check_expert_parallel(model, dims.ep)
+        check_context_parallel(dims.cp, ctx.device.type)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
-            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule, self.microbatches)
+            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
             if error:
                 raise ValueError(error)
         blocks = find_blocks(model, self.wrap)
@@ -125,6 +143,7 @@ class Hybrid(PipelineSteps):
             cpu_offload=self.cpu_offload,
         )
         self.resolved_dims = dims
+        self.context_parallel = ContextParallel(plan.cp_mesh) if plan.cp_mesh is not None else None
         self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, dims), dims.dp
         return plan
 
@@ -154,6 +173,19 @@ class Hybrid(PipelineSteps):
             trace_context=lambda traced: traced_as_tp_rank(traced, plan.tp_plan, plan.dims.tp if plan.dims else 1),
         ), optimizer
 
+    def microbatch_context(self, batch: Any) -> AbstractContextManager[None]:
+        """With ``cp``: the microbatch's sequences split over the ``cp`` ranks, ring attention on."""
+        if self.context_parallel is None:
+            return super().microbatch_context(batch)
+        return self.context_parallel.step(batch)
+
+    def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """With ``cp``, inside a training step: the loss of the whole sequence (see
+        :meth:`kiln.parallel.context.ContextParallel.reduce_loss`)."""
+        loss = criterion(*args, **kwargs)
+        cp = self.context_parallel
+        return cp.reduce_loss(loss) if cp is not None and cp.active else loss
+
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # Under pp > 1 the pipeline schedule sets FSDP's sync for each of its own microbatches.
         from torch.distributed.fsdp import FSDPModule
@@ -174,6 +206,7 @@ class Hybrid(PipelineSteps):
             "dp_shard": dims.dp_shard,
             "tp": dims.tp,
             "ep": dims.ep,
+            "cp": dims.cp,
             "split_points": self.split_points,
             "schedule": self.schedule,
         }
@@ -181,7 +214,8 @@ class Hybrid(PipelineSteps):
     def __repr__(self) -> str:
         d = self.dims
         ep = f", ep={d.ep}" if d.ep > 1 else ""
-        return f"Hybrid(dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, tp={d.tp}, pp={d.pp}{ep})"
+        cp = f", cp={d.cp}" if d.cp > 1 else ""
+        return f"Hybrid(dp_replicate={d.dp_replicate}, dp_shard={d.dp_shard}, tp={d.tp}, pp={d.pp}{ep}{cp})"
 
 
 def _restore_split_layers(stage: nn.Module, model: nn.Module, plan: Mapping[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """Parallel dimensions, validated against the world size before any process group is touched.
 
-The mesh dimensions are, outermost first, ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``
+The mesh dimensions are, outermost first, ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``
 (torchtitan's order). Ranks that differ only in the innermost dimension are neighbours
 (consecutive ranks, usually one node), so tensor parallelism, which communicates every layer,
 gets the fastest links and pipeline parallelism, which sends one activation per microbatch, the
@@ -10,6 +10,12 @@ Expert parallelism (``ep``) is no dimension of its own: it borrows its ranks fro
 (torchtitan's layout), which :func:`ep_meshes` splits into ``(efsdp, ep)``, ``ep`` inner: an
 expert-parallel group is ``ep`` neighbouring data-parallel ranks, whose all-to-all every MoE layer
 runs twice per forward.
+
+Context parallelism (``cp``, :mod:`kiln.parallel.context`) is a dimension of its own, inside the
+data-parallel ones and outside ``tp``: its ranks read the same batch, each keeping a slice of every
+sequence, and pass keys and values around a ring in every attention layer. FSDP shards the
+parameters over ``dp_shard x cp`` together (one flattened dimension, ``dp_shard_cp``), so the
+``cp`` ranks' gradients are averaged as the data-parallel ranks' are.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParallelDims", "dp_mesh", "tp_mesh", "ep_meshes", "dp_coordinate"]
+__all__ = ["ParallelDims", "dp_mesh", "tp_mesh", "ep_meshes", "cp_mesh", "dp_coordinate"]
 
-_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class ParallelDims:
         tp: tensor-parallel ranks.
         ep: expert-parallel ranks, taken from ``dp_shard`` (which it must divide): MoE experts
             are split over them (:mod:`kiln.parallel.expert`).
+        cp: context-parallel ranks: each sequence split over them (:mod:`kiln.parallel.context`).
 
     Example::
 
@@ -45,6 +52,7 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for name in (*_DIMS, "ep"):
@@ -55,24 +63,39 @@ class ParallelDims:
                 raise ValueError(f"parallel dimension {name}={value!r} must be {allowed}")
 
     def _text(self) -> str:
-        return ", ".join(f"{name}={getattr(self, name)}" for name in (*_DIMS, "ep") if name != "ep" or self.ep > 1)
+        return ", ".join(
+            f"{name}={getattr(self, name)}"
+            for name in (*_DIMS, "ep")
+            if name not in ("ep", "cp") or getattr(self, name) > 1
+        )
+
+    def _product(self, leave_out: str = "") -> str:
+        # the sizes that multiply to the world, as the user sets them (cp named only when used)
+        return "*".join(n for n in _DIMS if n != leave_out and (n != "cp" or self.cp > 1))
 
     def resolve(self, world_size: int) -> ParallelDims:
         """These sizes with ``dp_shard=-1`` filled in; a clear error when they do not fit ``world_size``."""
-        others = self.pp * self.dp_replicate * self.tp
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if world_size % others:
                 raise ValueError(
                     f"parallel sizes ({self._text()}) do not divide the world of {world_size} processes: "
-                    f"pp*dp_replicate*tp = {others} must divide {world_size}; pick sizes whose product "
+                    f"{self._product('dp_shard')} = {others} must divide {world_size}; pick sizes whose product "
                     f"divides {world_size}, or launch a multiple of {others} processes"
                 )
-            return ParallelDims(self.pp, self.dp_replicate, world_size // others, self.tp, self.ep)._check_ep()
+            return ParallelDims(
+                pp=self.pp,
+                dp_replicate=self.dp_replicate,
+                dp_shard=world_size // others,
+                tp=self.tp,
+                ep=self.ep,
+                cp=self.cp,
+            )._check_ep()
         product = others * self.dp_shard
         if product != world_size:
             raise ValueError(
                 f"parallel sizes ({self._text()}) multiply to {product} but the world has {world_size} "
-                f"processes; make pp*dp_replicate*dp_shard*tp equal {world_size}, or set dp_shard=-1 "
+                f"processes; make {self._product()} equal {world_size}, or set dp_shard=-1 "
                 "to let it take the rest"
             )
         return self._check_ep()
@@ -113,9 +136,18 @@ class ParallelDims:
 
 
 def dp_mesh(mesh, dims: ParallelDims):
-    """The sub-mesh FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D for FSDP, None without DP."""
+    """The sub-mesh FSDP shards over: 2-D (replicate, shard) for HSDP, 1-D for FSDP, None without DP.
+    With ``cp``, the shard dimension is ``dp_shard x cp`` flattened (``dp_shard_cp``)."""
     if mesh is None:
         return None
+    if dims.cp > 1:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        names = tuple(n for n in ("dp_shard", "cp") if n in mesh.mesh_dim_names)
+        # A mesh computes its ranks from a tensor's values, which the dry run's fake tensors lack.
+        with unset_fake_temporarily():
+            shard = mesh[names]._flatten("dp_shard_cp") if len(names) > 1 else mesh["cp"]
+            return mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard
     if dims.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     if dims.dp_shard > 1:
@@ -128,6 +160,13 @@ def tp_mesh(mesh, dims: ParallelDims):
     if mesh is None or dims.tp == 1:
         return None
     return mesh["tp"]
+
+
+def cp_mesh(mesh, dims: ParallelDims):
+    """The sub-mesh context parallelism splits sequences over (None without CP)."""
+    if mesh is None or dims.cp == 1:
+        return None
+    return mesh["cp"]
 
 
 def ep_meshes(mesh, dims: ParallelDims) -> tuple[Any, Any]:

@@ -81,7 +81,7 @@ from kiln.parallel.levers import (
     compile_module,
     outermost,
 )
-from kiln.parallel.mesh import ParallelDims, dp_mesh, ep_meshes, tp_mesh
+from kiln.parallel.mesh import ParallelDims, cp_mesh, dp_mesh, ep_meshes, tp_mesh
 
 if TYPE_CHECKING:
     import torch
@@ -265,6 +265,8 @@ class ParallelizePlan:
         dp_mesh: the mesh FSDP shards over (None: no sharding).
         ep_mesh / experts_dp_mesh: expert parallelism's mesh (None: off) and the mesh FSDP shards
             the experts over (``efsdp``, or ``dp_replicate x efsdp``); see :mod:`kiln.parallel.expert`.
+        cp_mesh: context parallelism's mesh (None: off; see :mod:`kiln.parallel.context`): no
+            step changes the model for it, the training step splits the sequences.
         reshard_after_forward / cpu_offload: FSDP's settings.
         checkpointed: the modules activation checkpointing wraps (None: not chosen yet).
     """
@@ -280,6 +282,7 @@ class ParallelizePlan:
     dp_mesh: Any = None
     ep_mesh: Any = None
     experts_dp_mesh: Any = None
+    cp_mesh: Any = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     # Filled by parallelize() on the whole model, before any step: a pipeline stage is a traced
@@ -301,6 +304,7 @@ class ParallelizePlan:
             dp_mesh=dp_mesh(mesh, dims),
             ep_mesh=ep,
             experts_dp_mesh=experts_dp,
+            cp_mesh=cp_mesh(mesh, dims),
             **fields,
         )
 

@@ -9,6 +9,7 @@ strategy it runs under (Lightning Fabric's pattern):
 ``setup``                wrap model and optimizer: the model through :mod:`kiln.parallel.parallelize`
 ``make_scaler``          the fp16 loss scaler, if any (DeepSpeed: none, it scales itself)
 ``set_grad_sync``        whether the next backward synchronises gradients (before the forward)
+``microbatch_context``   what a training microbatch's forward and backward run inside
 ``loss``                 the loss of an Engine forward (Pipeline records it for its schedule)
 ``backward``             backward of ``loss * scale`` through the scaler (DeepSpeed: its engine;
                          Pipeline: the whole schedule)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -150,6 +152,11 @@ class Strategy:
         Called before the forward, because DDP decides at forward time: a flag rather than a
         context manager, since the Engine's forward and backward are separate calls of user code.
         """
+
+    def microbatch_context(self, batch: Any) -> AbstractContextManager[None]:
+        """What the forward and backward of one training microbatch run inside (the Engine's
+        ``train_step`` enters it); context parallelism splits the batch's sequences there."""
+        return nullcontext()
 
     def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         """``criterion(*args, **kwargs)`` on the outputs of ``model`` (called under the forward's autocast)."""

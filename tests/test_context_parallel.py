@@ -1,0 +1,134 @@
+"""Context parallelism (kiln.parallel.context, Hybrid(cp=...), compute_config.cp) on CPU.
+
+torch 2.13's ring attention has no CPU kernel, so these tests check what runs without it, with
+one 2-rank gloo launch (workers/cp_worker.py) whose results the cases read:
+
+* torch's load-balanced split of a batch inside ``ContextParallel.step`` (head-tail: rank r keeps
+  chunks r and 2cp-1-r of 2cp), position ids and shift labels computed before the split, the
+  batch as it was (keys and tensor objects) after the step, and ``context_parallel_unshard``
+  giving the whole sequences back;
+* ``Hybrid(cp=2)`` on a CPU device refused in one line;
+* float64 SGD parity, 3 steps, through the Engine's ``train_step`` under ``Hybrid(cp=2)`` (FSDP
+  over the cp ranks) with the attention replaced by a plain reference on gathered keys and values,
+  against one process on whole sequences: losses, first-step gradients, weights within TOL.
+  Measured: 1.3e-15 (losses), 8.3e-17 (gradients), 2.2e-16 (weights). The shards hold 14 and 8
+  valid labels; the same run with each shard's own mean as its loss (no weighting by tokens:
+  ``parity_unweighted``) is off by 4.6e-2 (losses), 5.2e-2 (gradients), 3.1e-2 (weights), and
+  must fail the same check.
+
+The CUDA path (torch's ring attention itself) is tested in tests/test_context_parallel_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distributed import WORKERS, check, kiln_run
+from kiln.config.compute import ComputeConfig
+from kiln.parallel import Hybrid, ParallelDims
+from kiln.parallel.context import check_context_parallel, prepare_batch
+
+TOL = 1e-9
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cp")
+    check(kiln_run(WORKERS / "cp_worker.py", str(out), nproc=2, timeout=300))
+    return json.loads((out / "cp.json").read_text())
+
+
+def _head_tail(rank, cp, seq):
+    chunk = seq // (2 * cp)
+    return [*range(rank * chunk, (rank + 1) * chunk), *range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]
+
+
+def test_batch_split_in_torchs_load_balanced_order(ranks):
+    for rank, result in enumerate(ranks):
+        inside = result["shard"]["inside"]
+        order = _head_tail(rank, 2, SEQ)
+        assert order == ([0, 1, 2, 3, 12, 13, 14, 15] if rank == 0 else [4, 5, 6, 7, 8, 9, 10, 11])
+        tokens = [[row * SEQ + i for i in order] for row in range(2)]
+        assert inside["input_ids"] == tokens
+        assert inside["labels"] == tokens  # labels were the inputs' own object: cut once, not twice
+        assert inside["position_ids"] == [order, order]
+        # the label of position t is token t + 1, even where t + 1 sits on the other rank
+        assert inside["shift_labels"] == [[t + 1 if t % SEQ != SEQ - 1 else -100 for t in row] for row in tokens]
+
+
+def test_batch_restored_and_unsharded(ranks):
+    whole = [list(range(SEQ)), list(range(SEQ, 2 * SEQ))]
+    for result in ranks:
+        shard = result["shard"]
+        assert shard["after_keys"] == ["input_ids", "labels"]
+        assert shard["after_same_objects"] is True
+        assert shard["after_input_ids"] == whole
+        assert shard["unshard_input_ids"] == whole
+        assert shard["unshard_shift_labels"] == [row[1:] + [-100] for row in whole]
+
+
+def test_cp_refused_on_cpu(ranks):
+    for result in ranks:
+        error = result["refused"]
+        assert error is not None and "\n" not in error
+        assert error.startswith("cp=2 needs CUDA devices, got cpu: ")
+        assert "ring attention" in error and "set cp=1" in error
+
+
+def test_loss_reduced_over_cp_equals_one_process(ranks):
+    for result in ranks:
+        parity = result["parity"]
+        assert parity["mesh"] == ["cp"]
+        assert parity["loss_abs"] < TOL, parity
+        assert parity["grad_abs"] < TOL, parity
+        assert parity["weight_abs"] < TOL, parity
+
+
+def test_unweighted_shard_losses_fail_the_same_check(ranks):
+    for result in ranks:
+        broken = result["parity_unweighted"]
+        assert broken["loss_abs"] > 1e-3 and broken["grad_abs"] > 1e-3 and broken["weight_abs"] > 1e-3, broken
+
+
+# -- no processes ------------------------------------------------------------------------------
+def test_check_context_parallel():
+    check_context_parallel(1, "cpu")  # cp=1: nothing to refuse
+    check_context_parallel(4, "cuda")
+    with pytest.raises(ValueError, match=r"^cp=4 needs CUDA devices, got mps: "):
+        check_context_parallel(4, "mps")
+
+
+def test_mesh_has_cp_between_dp_shard_and_tp():
+    dims = ParallelDims(dp_shard=-1, cp=2, tp=2).resolve(8)
+    assert (dims.dp_shard, dims.cp, dims.tp, dims.dp) == (2, 2, 2, 2)
+    assert dims.mesh_shape() == ((2, 2, 2), ("dp_shard", "cp", "tp"))
+    with pytest.raises(ValueError, match=r"pp\*dp_replicate\*cp\*tp = 12 must divide 8"):
+        ParallelDims(cp=3, tp=4).resolve(8)
+
+
+def test_hybrid_cp_options_and_errors():
+    assert repr(Hybrid(dp_shard=2, cp=4)) == "Hybrid(dp_replicate=1, dp_shard=2, tp=1, pp=1, cp=4)"
+    assert Hybrid(cp=2).describe()["cp"] == 2
+    with pytest.raises(ValueError, match=r"^Hybrid\(cp=2, ep=2\): context parallelism is not combined with expert"):
+        Hybrid(cp=2, ep=2)
+    with pytest.raises(ValueError, match=r"^Hybrid\(cp=2, pp=2\): context parallelism is not combined with pipeline"):
+        Hybrid(cp=2, pp=2, split_points=["layers.1"])
+
+
+def test_compute_config_cp_selects_hybrid_and_shares_batches():
+    cc = ComputeConfig(cp=2)
+    assert cc.strategy_name("autodist", 4) == "hybrid"
+    assert cc.mesh_size == 2  # the 2 cp ranks read one batch: 4 ranks are 2 data-parallel ones
+    assert ComputeConfig(cp=2, tp=2).mesh_size == 4
+
+
+def test_prepare_batch_needs_dict_of_input_ids():
+    with pytest.raises(TypeError, match=r"takes dict batches with 'input_ids'.*got Tensor"):
+        import torch
+
+        prepare_batch(torch.zeros(2, 8))
+    with pytest.raises(TypeError, match=r"got a dict with keys \['x'\]"):
+        prepare_batch({"x": 1})
