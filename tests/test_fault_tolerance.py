@@ -234,6 +234,25 @@ def test_options_are_checked():
             as_fault_tolerance(options)
 
 
+def test_yaml_key_reaches_the_trainer_and_is_checked(capsys, monkeypatch):
+    from kiln.cli.main import main
+    from kiln.config import load_trainer_args
+    from kiln.config.trainer_builder import __doc__ as mapping
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "mlp.yaml")
+    fields = ["--fault_tolerance.lighthouse", "http://node0:29510", "--fault_tolerance.replica_group", "1"]
+    fields += ["--fault_tolerance.num_replica_groups", "2"]
+    args = load_trainer_args(example, fields, world_size=2)
+    assert args.fault_tolerance == {"lighthouse": "http://node0:29510", "replica_group": 1, "num_replica_groups": 2}
+    assert "fault_tolerance                                         fault_tolerance" in mapping
+    for var in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
+        monkeypatch.delenv(var, raising=False)
+    code = main(["train", "-f", example, "--nproc-per-node", "2", *fields[:4], "--fault_tolerance.min_replica", "2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fault_tolerance has an unknown key 'min_replica'" in err
+
+
 def test_lighthouse_cli_refuses_bad_arguments(capsys):
     from kiln.cli.main import main
 

@@ -90,6 +90,7 @@ class TrainerArgs:
         val_every_n_train_steps: validate every n optimizer steps.
         val_every_n_epochs: validate every n epochs.
         enable_progress_bar: show progress on rank 0: a bar on a terminal, plain lines when stdout is not one.
+        fault_tolerance: run as one replica group of a torchft job (a mapping of kiln.trainer.FaultTolerance's fields: lighthouse, replica_group, num_replica_groups, min_replicas, timeouts, save_group); null: no replica groups.
         console_interval: the most time between two progress lines when stdout is not a terminal ('30s', '5m', '100ba'; a line also comes at each tenth of the run); null: no lines.
         seed: seed python, numpy and torch before the model is built (same weights on every rank).
         init_env_fn: fully qualified name of fn(trainer_args) run first, before anything is built.
@@ -141,6 +142,7 @@ class TrainerArgs:
 
     enable_progress_bar: bool = True
     console_interval: str | float | None = "30s"
+    fault_tolerance: dict[str, Any] | None = None
     seed: int | None = None
     init_env_fn: str | None = None
 
@@ -160,6 +162,7 @@ class TrainerArgs:
         self._check_precision()
         self._check_levers()
         self._check_console_interval()
+        self._check_fault_tolerance()
         if self.max_epochs is None and self.max_train_steps is None:
             raise ConfigError(
                 "max_epochs: is not set (nor max_train_steps), expected at least one of them", path="max_epochs"
@@ -186,6 +189,14 @@ class TrainerArgs:
                 ),
                 path="tracing_from_weights",
             )
+
+    def _check_fault_tolerance(self) -> None:
+        from kiln.trainer.fault_tolerance import as_fault_tolerance  # the Trainer's rule
+
+        try:
+            as_fault_tolerance(self.fault_tolerance)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc), path="fault_tolerance") from None
 
     def _check_console_interval(self) -> None:
         from kiln.trainer.progress import parse_console_interval  # the Trainer's rule
