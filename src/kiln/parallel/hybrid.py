@@ -33,6 +33,7 @@ from kiln.parallel.grad_norm import clip_grad_norm_
 from kiln.parallel.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
 from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error, validate_split_points
+from kiln.parallel.pipeline_schedules import SPLIT_BACKWARD
 from kiln.parallel.tensor import check_tp_size, matching_modules, resolve_tp_plan
 from kiln.parallel.tp_trace import traced_as_tp_rank
 
@@ -128,10 +129,16 @@ class Hybrid(PipelineSteps):
         check_context_parallel(dims.cp, ctx.device.type)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
-            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule)
+            error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule, self.microbatches)
             if error:
                 raise ValueError(error)
         blocks = find_blocks(model, self.wrap)
+        # The zero-bubble schedules run each stage's weight gradients in a later pass than its input
+        # gradients, and torch finds the weights through the stage's registered parameters. FSDP puts
+        # the shards back in their place after each forward unless it keeps the gathered parameters
+        # until the backward: the weight pass then finds no path to them (stages without gradients,
+        # others wrong, measured on 4 ranks). So under those schedules the parameters stay gathered
+        # (zero2 inside each stage; torchtitan does the same under any pipeline).
         plan = ParallelizePlan.on_mesh(
             dims,
             ctx=ctx,
@@ -139,7 +146,7 @@ class Hybrid(PipelineSteps):
             options=self.parallelize_options,
             blocks=blocks,
             tp_plan=tp_plan,
-            reshard_after_forward=self.reshard_after_forward,
+            reshard_after_forward=self.reshard_after_forward and not (dims.pp > 1 and self.schedule in SPLIT_BACKWARD),
             cpu_offload=self.cpu_offload,
         )
         self.resolved_dims = dims
@@ -182,6 +189,8 @@ class Hybrid(PipelineSteps):
     def loss(self, model: nn.Module, criterion: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
         """With ``cp``, inside a training step: the loss of the whole sequence (see
         :meth:`kiln.parallel.context.ContextParallel.reduce_loss`)."""
+        if self.pipeline is not None:  # the schedule computes it (PipelineSteps.loss); cp is refused with pp
+            return super().loss(model, criterion, *args, **kwargs)
         loss = criterion(*args, **kwargs)
         cp = self.context_parallel
         return cp.reduce_loss(loss) if cp is not None and cp.active else loss

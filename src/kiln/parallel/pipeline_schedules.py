@@ -28,6 +28,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualp
 # Schedules that take a list of stages (several per rank), and among them those that need the V.
 MULTI_STAGE = ("interleaved1f1b", "interleaved_zb", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
+# Schedules that split a stage's backward into input and weight gradients (the zero-bubble ones).
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def schedule_class(name: str) -> Any:
