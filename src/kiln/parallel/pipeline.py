@@ -53,6 +53,7 @@ from kiln.parallel.pipeline_schedules import (  # SCHEDULES and stage_count_erro
     MULTI_STAGE,
     SCHEDULES,
     V_SHAPED,
+    forward_only,
     schedule_class,
     skip_same_rank_warmup,
     stage_count_error,
@@ -337,7 +338,8 @@ class PipelineRuntime:
         step_args, step_kwargs = (args, kwargs) if self.has_first else ((), {})
         with self.precision.autocast(self.device):
             if eval_only:
-                return schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
+                with forward_only(schedule, self.schedule_name):
+                    return schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
             return schedule.step(
                 *step_args,
                 target=target if self.has_last else None,

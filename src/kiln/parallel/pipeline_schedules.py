@@ -20,6 +20,8 @@ stage's loss is computed where the input was read, and the turn at the bottom of
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["SCHEDULES", "schedule_class", "stage_ids", "stage_rank", "stage_count_error"]
@@ -122,3 +124,39 @@ def skip_same_rank_warmup(stage: Any) -> None:
         return [op for op in ops_of() if op.group_peer != own]
 
     stage._get_init_p2p_neighbors_ops = ops
+
+
+@contextlib.contextmanager
+def forward_only(schedule: Any, name: str) -> Iterator[None]:
+    """Run ``schedule.eval`` of a multi-stage schedule on the forward part of its order.
+
+    torch 2.13's runtime for multi-stage schedules keeps the whole training order in ``eval()``
+    (``pipeline_order_with_comms``) and relies on each stage ignoring its backward actions. At the
+    turn of a V (two neighbouring stages on one rank) the backward hands the input gradient over in
+    memory and fails ("can't steal_bwd_input if this stage doesn't have backward"); and a backward
+    receive posted in eval and never consumed makes the next training step fail ("Recv twice").
+    For the length of the eval the order keeps only the forward computations, their sends and
+    receives and FSDP's unshard/reshard (DualPipeV's overlapped forward-backward pairs give their
+    forward part), each rank's forward messages in their original order; the training order is
+    restored after.
+    """
+    if name not in MULTI_STAGE:
+        yield
+        return
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    forward = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F, Kind.UNSHARD, Kind.RESHARD)
+    order = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {
+        rank: [
+            part
+            for action in actions
+            for part in ((action.sub_actions or ()) if action.computation_type == Kind.OVERLAP_F_B else (action,))
+            if part.computation_type in forward
+        ]
+        for rank, actions in order.items()
+    }
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
