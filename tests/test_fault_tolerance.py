@@ -3,16 +3,16 @@
 One drill, shared by the cases: ``kiln lighthouse`` and two replica groups (one process each,
 tests/workers/ft_group.py). Group 1 dies by SIGKILL in the middle of step 4 and is started again
 once group 0 has gone on alone for a few steps; the new process heals from group 0 (weights,
-optimizer, timestamp, data position) and joins the quorum. Both groups write their state a few steps
-after that; then the test stops group 1 with SIGSTOP (a hung group), and group 0 must go on alone
-after the timeouts. A reference replay in this process of exactly the steps that committed, each
-averaging the gradients of the groups that took part, must give the same weights bit for bit.
+optimizer, timestamp, data position) and joins the quorum. Both groups write their state a few
+steps after that; then group 1 stops itself with SIGSTOP between its forward and the gradient
+allreduce (a hung group), and group 0 must drop that step after the collective timeout and go on
+alone. A reference replay in this process of exactly the steps that committed, each averaging the
+gradients of the groups that took part, must give the same weights bit for bit.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +29,7 @@ pytest.importorskip("torchft")
 
 DIE_AT = 4
 TIMEOUT, HEARTBEAT = 2.0, 1.0  # the groups' collective timeout; the Lighthouse's heartbeat timeout
+SLACK = 6.0  # seconds a loaded machine may add to a stall (torchft's default timeouts are 60 s)
 DEADLINE = 120.0  # seconds any one phase of the drill may take before the test fails with the logs
 
 
@@ -100,9 +101,6 @@ def drill(tmp_path_factory):
         d.wait_for("3 steps of group 0 alone", lambda: sum(r.get("n") == 1 for r in d.log("g0")) >= 3)
         restarted_at = time.time()
         g1b = d.group("g1b", 1, 2)
-        d.wait_for("group 1's state written", lambda: any(r["event"] == "dumped" for r in d.log("g1b")))
-        os.kill(g1b.pid, signal.SIGSTOP)  # hung: alive, holding its sockets, answering nothing
-        stopped_at = time.time()
         d.wait_for("group 0's end", lambda: g0.poll() is not None)
         g1b.kill()
         g1b.wait()
@@ -116,7 +114,6 @@ def drill(tmp_path_factory):
             "g1b": d.log("g1b"),
             "died_at": died_at,
             "restarted_at": restarted_at,
-            "stopped_at": stopped_at,
             "tails": d.tails(),
         }
     finally:
@@ -148,7 +145,7 @@ def test_survivor_keeps_stepping_during_outage(drill):
         f"\nreplica death: {lost:.2f} s from group 0's last step with group 1 to its next committed step; "
         f"steps committed/attempted by group 0: {g0[-1]['num_committed']}/{g0[-1]['attempted']}"
     )
-    assert lost < HEARTBEAT + TIMEOUT + 10
+    assert lost < HEARTBEAT + SLACK
 
 
 def test_restarted_group_heals_to_identical_state(drill):
@@ -156,9 +153,13 @@ def test_restarted_group_heals_to_identical_state(drill):
     first = g1b[0]
     assert first["n"] == 2 and first["committed"]
     assert first["t"] > DIE_AT + 3  # it took the live group's timestamp, not its own from scratch
-    g0 = {r["t"]: r for r in _steps(drill["g0"])}
-    # the data position came with it: the two groups read different shares of the same epoch
-    assert first["x"] != g0[first["t"]]["x"]
+    # the data position came with it: group 1 reads every step's batch of its list (64 a round), as
+    # if it had never been away, and not its list's start again
+    torch.manual_seed(0)
+    inputs = torch.randn(512, 4)
+    for r in [*_steps(drill["g1a"]), *g1b]:
+        start = 4 + 8 * ((r["t"] - 1) % 64)
+        assert r["x"] == inputs[start : start + 4].tolist(), r["t"]
     a, b = (torch.load(drill["folder"] / f"final-g{g}.pt", weights_only=True) for g in (0, 1))
     assert a["t"] == b["t"] == first["t"] + 3
     for key in ("model", "optimizer"):
@@ -168,14 +169,16 @@ def test_restarted_group_heals_to_identical_state(drill):
 
 def test_final_loss_equals_reference_of_committed_steps(drill):
     saved = torch.load(drill["folder"] / "final-g0.pt", weights_only=True)
-    logs = [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"])]
+    by_t: dict[int, list[dict]] = {}
+    for r in [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"])]:
+        by_t.setdefault(r["t"], []).append(r)
     torch.manual_seed(0)
     torch.randn(512, 4), torch.randn(512, 1)  # the dataset the groups build first
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     num_committed = 0
     for t in range(1, saved["t"] + 1):
-        records = sorted((r for r in logs if r["t"] == t), key=lambda r: r["g"])
+        records = sorted(by_t[t], key=lambda r: r["g"])
         assert len({r["committed"] for r in records}) == 1, records  # the groups agree
         if not records[0]["committed"]:
             continue
@@ -197,15 +200,16 @@ def test_final_loss_equals_reference_of_committed_steps(drill):
 
 
 def test_hung_group_is_dropped_after_its_timeout(drill):
-    g0 = _steps(drill["g0"])
-    dumped = next(r["t"] for r in drill["g0"] if r["event"] == "dumped")
-    after = [r for r in g0 if r["time"] > drill["stopped_at"]]
-    alone = [r for r in after if r["n"] == 1 and r["committed"]]
-    assert len(alone) >= 3 and g0[-1]["t"] > dumped
-    # the stall: from the stop to the first step group 0 committed without the hung group
-    stall = alone[0]["time"] - drill["stopped_at"]
-    print(f"\nhung replica group: group 0 stepped alone again {stall:.2f} s after the SIGSTOP")
-    assert stall < TIMEOUT + HEARTBEAT + 10
+    hang = next(r for r in drill["g1b"] if r["event"] == "hang")
+    g0 = {r["t"]: r for r in _steps(drill["g0"])}
+    # the step it hung in: group 0 waited in the allreduce until the collective timeout, then
+    # dropped the step; after it, group 0 steps alone
+    assert g0[hang["t"]]["n"] == 2 and g0[hang["t"]]["committed"] is False
+    after = [g0[t] for t in range(hang["t"] + 1, max(g0) + 1)]
+    assert len(after) >= 3 and all(r["n"] == 1 and r["committed"] for r in after)
+    stall = after[0]["time"] - g0[hang["t"] - 1]["time"]
+    print(f"\nhung replica group: group 0 stepped alone again {stall:.2f} s after its last step with it")
+    assert TIMEOUT < stall < TIMEOUT + HEARTBEAT + SLACK
 
 
 def test_one_group_writes_checkpoints(drill):

@@ -9,9 +9,9 @@ its forward, before its backward), a death with no cleanup at all.
 
 The run ends by a rule both groups compute from the quorums alone, so they stop at the same step:
 ``DUMP`` steps after the first step (past the death) on which both groups take part again, each
-group writes its model and optimizer state to ``DIR/final-g<GROUP>.pt``; group 0 then goes on
-until it has committed ``ALONE`` steps without group 1 (the test stops group 1 with SIGSTOP after
-the dump: a hung group) and stops. A group stepping without the other sleeps a little per step, so
+group writes its model and optimizer state to ``DIR/final-g<GROUP>.pt``; group 1 then stops itself
+with SIGSTOP in the middle of the next step (a hung group: alive, holding its sockets, answering
+nothing), and group 0 goes on until it has committed ``ALONE`` steps without it, and stops. A group stepping without the other sleeps a little per step, so
 the outage spans a bounded number of steps.
 """
 
@@ -52,9 +52,14 @@ class Drill(kiln.Callback):
         self.alone = 0  # steps group 0 committed without group 1 after the dump
 
     def after_forward(self, state, logger) -> None:
-        if state.timestamp.batch.value + 1 == die_at:
+        t = state.timestamp.batch.value + 1
+        if t == die_at:
             emit({"event": "die", "g": group, "t": die_at, "time": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
+        if group == 1 and self.dumped is not None and t == self.dumped + 1:
+            # hung between its forward and the gradient allreduce, the others already in it
+            emit({"event": "hang", "g": group, "t": t, "time": time.time()})
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def batch_end(self, state, logger) -> None:
         ft = trainer.fault_tolerance
@@ -93,9 +98,16 @@ class Drill(kiln.Callback):
             time.sleep(0.05)  # a bounded number of steps while the test restarts or stops group 1
 
 
+# Group 0 reads its share of a DataLoader through kiln's sampler (num_replica_groups x 1 shares);
+# group 1, the one restarted, reads a list of batches: a loader that can only skip by fetching, so
+# its position must come from the live group before the loop starts iterating it.
+if group == 0:
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+else:
+    loader = [(data.tensors[0][i : i + 4], data.tensors[1][i : i + 4]) for i in range(4, 512, 8)]
 trainer = kiln.Trainer(
     model,
-    train_dataloader=torch.utils.data.DataLoader(data, batch_size=4),
+    train_dataloader=loader,
     criterion=nn.MSELoss(),
     optimizers=optimizer,
     max_duration="1000ba",
