@@ -20,6 +20,11 @@ step, the optimizer) and one training step, as the first rank of each pipeline s
 ``--world-size``, in this process, on torch's fake process group and fake tensors; it prints what
 each of those ranks holds and moves (:mod:`kiln.parallel.dry_run`), or with ``--json`` the same
 report as one JSON object. A configuration error is the real run's one line, with status 2.
+
+    kiln plan -f run.yaml --world-size 256 --search --device h100 --memory 80GiB [--json] [--confirm]
+
+``--search`` lists the feasible (dp_shard, tp, pp, checkpointing, microbatch) plans of a transformer,
+cheapest first by an explicit cost model (:mod:`kiln.cli.plan_search`, :mod:`kiln.parallel.search`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import os
 import sys
 import traceback
 from typing import Any
+
+from kiln.cli.plan_search import add_search_arguments, search_command
 
 __all__ = ["add_parser", "run", "load_object", "dry_run_command"]
 
@@ -92,7 +99,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with -f: run the run's setup and one training step as each pipeline stage's first rank of "
         "--world-size ranks, on a fake process group and fake tensors, and report what each holds and moves",
     )
-    p.add_argument("--json", action="store_true", help="with --dry-run: print the report as one JSON object")
+    p.add_argument("--json", action="store_true", help="with --dry-run or --search: print one JSON object")
+    add_search_arguments(p)
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -159,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln.parallel.plan import activation_summary, format_table, plan_table
 
     extra = list(getattr(args, "extra", []) or [])
+    if args.search:
+        return search_command(args, extra)
     if args.dry_run or args.json:
         return _dry_run(args, extra)
     if (args.file is None) == (args.model is None):

@@ -18,13 +18,17 @@ and backward of ``example_input``, measured on fake tensors (no memory, no compu
 :mod:`kiln.parallel.activation_memory`), less the gradients (0 when no example is given). Every
 data-parallel rank runs its own microbatch, so each row carries the whole of it.
 
-``auto`` takes the first row, in the order above (least communication first), that fits the
-budget; never ``tp``, which needs every rank of a tensor-parallel group to read the same batch.
+``auto`` takes, of the rows that fit the budget, the one whose step costs least by the cost model
+of ``kiln plan --search`` (:func:`kiln.parallel.search.data_parallel_seconds`: each strategy's
+collectives over the link the world crosses, plus the recomputed forward of checkpointing, with the
+constants of :mod:`kiln.parallel.devices` for this machine's device class); a tie goes to the
+earlier row. Never ``tp``, which needs every rank of a tensor-parallel group to read the same batch.
+zero2 moves the gradients once and the parameters once, as DDP's all-reduce does (2 x their bytes),
+so it ties with ddp (ddp first) and costs less than zero1 (which adds a parameter gather to DDP's
+all-reduce) in less memory: auto never picks zero1 over it.
 With an example and no ``activation_checkpointing`` chosen, each row also has a ``+ckpt`` twin:
-the same strategy with every block checkpointed (A measured that way; one more forward of compute).
-Those come after all the rows without it: sharding costs communication, which overlaps with
-compute, and checkpointing costs compute, which does not; so checkpointing is chosen when no
-sharding fits, which is when activations dominate, and the note says how much of the memory they are.
+the same strategy with every block checkpointed (A measured that way; one more forward of compute,
+2 x parameters x tokens FLOPs, tokens being the elements of the example's token ids or its rows).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class PlanRow:
     why: str = ""  # the chosen row: why it was chosen (choose() sets it)
     options: dict[str, Any] = field(default_factory=dict)  # what the strategy needs besides its name
     estimate: ActivationEstimate | None = None  # how ``activations`` was measured (None: no example)
+    seconds: float | None = None  # the cost model's communication + recomputation per step (None: not priced)
 
     @property
     def label(self) -> str:
@@ -182,6 +187,7 @@ def plan_table(
     budget: int | float | None = None,
     example_input: Any = None,
     activation_checkpointing: Any = None,
+    devices_per_node: int | None = None,
 ) -> list[PlanRow]:
     """Every candidate strategy with its memory per rank; the chosen one has ``chosen=True`` and its
     ``note`` says why.
@@ -196,6 +202,7 @@ def plan_table(
         activation_checkpointing: the run's choice (``"full"``, ``"selective"``, ...): activations are
             measured with it, and no ``+ckpt`` rows are added. None: rows without checkpointing,
             and with an example, ``+ckpt`` rows with every block checkpointed.
+        devices_per_node: ranks that share a node's fast links (default: all of ``world_size``).
 
     Example::
 
@@ -273,25 +280,66 @@ def plan_table(
             if name != "tp"
         ]
     limit = memory_budget(budget)
+    _price_rows(rows, p_bytes, g_bytes, w, example_input, sum(p.numel() for p in params), devices_per_node)
     for row in rows:
         row.fits = limit is None or row.total <= limit
     choose(rows, limit)
     return rows
 
 
+def _example_tokens(example: Any) -> int:
+    # the elements of the example's first integer tensor (token ids), else its first tensor's rows
+    tensors = [t for t in torch.utils._pytree.tree_leaves(example) if isinstance(t, torch.Tensor)]
+    ids = next((t for t in tensors if not t.is_floating_point() and t.dim() > 0), None)
+    if ids is not None:
+        return ids.numel()
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+def _price_rows(
+    rows: list[PlanRow],
+    p_bytes: int,
+    g_bytes: int,
+    world_size: int,
+    example_input: Any,
+    num_parameters: int,
+    devices_per_node: int | None,
+) -> None:
+    """Each row's seconds per step by the search's cost model, on this machine's device class."""
+    from kiln.parallel.devices import device_class_of
+    from kiln.parallel.search import data_parallel_seconds
+
+    device = device_class_of(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    tokens = _example_tokens(example_input) if example_input is not None else 0
+    for row in rows:
+        # a mode the user chose costs every row the same recomputation; the +ckpt rows' is what they add
+        recompute = 2.0 * num_parameters * tokens if row.options.get("activation_checkpointing") else 0.0
+        row.seconds = data_parallel_seconds(
+            row.strategy,
+            p_bytes,
+            g_bytes,
+            world_size,
+            device,
+            devices_per_node=devices_per_node or max(world_size, 1),
+            recompute_flops=recompute,
+        )
+
+
 def choose(rows: list[PlanRow], limit: int | None = None) -> PlanRow:
-    """Mark and return the first row, in order, that fits and auto may take: the least communication
-    without checkpointing, then with it (the smallest one if none fits)."""
+    """Mark and return the row auto takes: of those that fit and auto may take, the least seconds
+    per step by the cost model (the earlier row on a tie; in order where rows are not priced), or
+    the smallest one if none fits."""
     budget = "no known limit" if limit is None else f"the budget of {_fmt(limit)} per rank"
     candidates = [r for r in rows if r.eligible]
     fitting = [r for r in candidates if r.fits]
     if fitting:
-        pick = fitting[0]
-        skipped = [r.label for r in candidates[: candidates.index(pick)]]
+        pick = min(fitting, key=lambda r: (r.seconds if r.seconds is not None else 0.0, candidates.index(r)))
+        skipped = [r.label for r in candidates[: candidates.index(pick)] if not r.fits]
+        cost = f" ({pick.seconds * 1e3:.3g} ms per step by the cost model)" if pick.seconds is not None else ""
         why = (
             f"fits {budget}"
             + (f"; {', '.join(skipped)} would not" if skipped else "")
-            + ("; least communication of those that fit" if len(rows) > 1 else "")
+            + (f"; least communication and recomputation of those that fit{cost}" if len(rows) > 1 else "")
         )
     else:
         pick = min(candidates, key=lambda r: r.total)
