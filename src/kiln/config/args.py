@@ -316,6 +316,7 @@ class TrainerArgs:
                 path=f"compute_config.{name}",
             )
         cc.check_expert_parallel(world_size)
+        cc.check_pipeline(world_size, self.pas_policy)
         if cc.strategy_name(self.pas_policy, world_size) == "hybrid" and cc.dp_shard is None:
             cc = dataclasses.replace(cc, dp_shard=-1)  # a hybrid mesh's shards fill the rest of the world
         dp, micro = self.data_parallel_size(world_size), self.micro_batch_size

@@ -155,6 +155,33 @@ class ComputeConfig:
         """Processes that read one batch: ``plan_ngpus`` if set, else ``tp * pp * cp``."""
         return self.plan_ngpus or self.tp * self.pp * self.cp
 
+    def check_pipeline(self, world_size: int, pas_policy: str) -> None:
+        """Refuse a pipeline schedule (``strategy_options.schedule``) that is not known, or whose stages
+        (``split_points``) or ``microbatches`` it cannot run on the pipeline ranks of a world of
+        ``world_size``, in one line, before any process group exists."""
+        from kiln.parallel.pipeline_schedules import SCHEDULES, stage_count_error
+
+        options = self.strategy_options
+        name = self.strategy_name(pas_policy, world_size)
+        if name not in ("pp", "hybrid") or "schedule" not in options and "split_points" not in options:
+            return
+        path = "compute_config.strategy_options.schedule"
+        schedule = str(options.get("schedule", "1f1b")).lower()
+        if schedule not in SCHEDULES:
+            match = close_match(schedule, SCHEDULES)
+            hint = f" (did you mean {match!r}?)" if match else ""
+            raise ConfigError(
+                format_error(path, options["schedule"], f"one of {', '.join(SCHEDULES)}") + hint, path=path
+            )
+        pp = world_size if name == "pp" else self.mesh_degrees(pas_policy)[1]
+        splits = options.get("split_points")
+        splits = [splits] if isinstance(splits, str) else splits
+        microbatches = options.get("microbatches")
+        if pp > 1 and isinstance(splits, (list, tuple)) and (microbatches is None or isinstance(microbatches, int)):
+            error = stage_count_error(len(splits) + 1, pp, schedule, microbatches)
+            if error:
+                raise ConfigError(f"compute_config.strategy_options: {error}", path="compute_config.strategy_options")
+
     def check_expert_parallel(self, world_size: int) -> None:
         """Refuse an ``ep`` that does not divide ``dp_shard`` in a world of ``world_size`` (expert
         parallelism takes its ranks from ``dp_shard``), before any process group exists."""
