@@ -1,10 +1,11 @@
 """One replica group of tests/test_fault_tolerance.py: a one-process Trainer joined to the others
 by torchft (fault_tolerance=), logging each step as one JSON line (one os.write, whole lines).
 
-    python ft_group.py GROUP LIGHTHOUSE DIR LIFE [DIE_AT]
+    python ft_group.py GROUP LIGHTHOUSE DIR LIFE [DIE_AT | UNTIL]
 
 LIFE 1 waits for the other group's ``ready`` file after building its Trainer (so both Managers
-heartbeat before the first quorum). DIE_AT: SIGKILL this process in the middle of that step (after
+heartbeat before the first quorum). LIFE 3 resumes from the checkpoint group 0 wrote and trains
+alone until batch UNTIL. DIE_AT: SIGKILL this process in the middle of that step (after
 its forward, before its backward), a death with no cleanup at all.
 
 The run ends by a rule both groups compute from the quorums alone, so they stop at the same step:
@@ -31,7 +32,8 @@ import kiln
 
 DUMP, ALONE = 3, 3
 group, lighthouse, folder, life = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-die_at = int(sys.argv[5]) if len(sys.argv) > 5 else -1
+die_at = int(sys.argv[5]) if len(sys.argv) > 5 and life == 1 else -1
+until = int(sys.argv[5]) if len(sys.argv) > 5 and life == 3 else 1000
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(512, 4), torch.randn(512, 1))
@@ -110,7 +112,8 @@ trainer = kiln.Trainer(
     train_dataloader=loader,
     criterion=nn.MSELoss(),
     optimizers=optimizer,
-    max_duration="1000ba",
+    max_duration=f"{until}ba",
+    autoresume=life == 3,
     progress_bar=False,
     seed=0,
     callbacks=[Drill()],
