@@ -16,6 +16,10 @@ one 2-rank gloo launch (workers/cp_worker.py) whose results the cases read:
   ``parity_unweighted``) is off by 4.6e-2 (losses), 5.2e-2 (gradients), 3.1e-2 (weights), and
   must fail the same check.
 
+The dry run (no processes) runs Hybrid(cp=2) with the stand-in attention on keys and values
+all-gathered over cp: the ring's bytes exactly, FSDP over dp_shard x cp, and rank 0's activations
+against cp=1 (measured 0.64 x).
+
 The CUDA path (torch's ring attention itself) is tested in tests/test_context_parallel_gpu.py.
 """
 
@@ -132,3 +136,42 @@ def test_prepare_batch_needs_dict_of_input_ids():
         prepare_batch(torch.zeros(2, 8))
     with pytest.raises(TypeError, match=r"got a dict with keys \['x'\]"):
         prepare_batch({"x": 1})
+
+
+# -- the dry run (kiln plan --dry-run): fake tensors, no processes --------------------------------
+def _dry_run(cp: int):
+    import sys
+
+    from distributed import ROOT
+    from kiln.config.args import load_trainer_args
+    from kiln.parallel.dry_run import dry_run
+
+    sys.path.insert(0, str(ROOT / "examples"))  # lm_data
+    model = {"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 64}
+    config = {
+        "compute_config": {"cp": cp, "dp_shard": -1},
+        "micro_batch_size": 2,
+        "max_train_steps": 1,
+        "model": {"type": "kiln.models.MoELlama", "args": {**model, "num_dense_layers": 2}},
+        "optimizer": {"type": "torch.optim.SGD", "args": {"lr": 0.1}},
+        "dataset": {"type": "lm_data.StdlibText.from_stdlib", "train_args": {"seq_len": 64, "max_bytes": 20000}},
+    }
+    return dry_run(load_trainer_args(config, world_size=4), 4).ranks[0]
+
+
+def test_dry_run_counts_the_ring_and_splits_the_activations():
+    with_cp, without = _dry_run(2), _dry_run(1)
+    assert with_cp.coordinates == {"dp_shard": 0, "cp": 0}
+    # keys and values of each of the 2 layers, all-gathered over cp forward and reduce-scattered
+    # backward: (batch 2, 4 heads after the GQA repeat, 64 tokens, head dim 8) float32 = 16 KiB,
+    # the whole sequence's (what the counter counts), plus the positions (2 x 64 int64) once
+    kv = 2 * 4 * 64 * 8 * 4
+    assert with_cp.collectives["all_gather"]["cp"] == 2 * 2 * kv + 2 * 64 * 8
+    assert with_cp.calls["all_gather"]["cp"] == 5
+    assert with_cp.collectives["reduce_scatter"]["cp"] == 2 * 2 * kv
+    assert with_cp.collectives["all_reduce"]["cp"] == 8 + 4  # the token count (float64), the loss sum
+    assert "dp_shard+cp" in with_cp.collectives["reduce_scatter"]  # FSDP over dp_shard x cp
+    assert with_cp.params == without.params  # 4 ranks shard the weights either way
+    # each rank's share of the sequence: measured 0.64 x (the gathered keys and values stay
+    # whole); whole sequences on every rank would be 1.0 x or more
+    assert with_cp.activations < 0.75 * without.activations, (with_cp.activations, without.activations)

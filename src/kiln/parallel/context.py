@@ -26,7 +26,11 @@ One training microbatch, :meth:`ContextParallel.step`:
    exactly as one process would have it, whatever share of ignored labels each shard holds.
 
 torch's ring attention has sharding rules for the CUDA attention kernels (flash, efficient,
-cuDNN) only: ``cp > 1`` is refused on any other device (:func:`check_context_parallel`).
+cuDNN) only: ``cp > 1`` is refused on any other device (:func:`check_context_parallel`). The dry
+run (:mod:`kiln.parallel.dry_run`, CPU and fake tensors) runs ``ContextParallel(ring=False)``
+instead: torch's split and the same loss reduction, with attention over keys and values
+all-gathered over ``cp`` (what torch's ``allgather`` rotation moves and holds), so ``kiln plan
+--dry-run`` counts the sequence's share of the activations and the ring's bytes.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ class ContextParallel:
         mesh: the 1-D ``cp`` device mesh.
         rotate_method: how torch's ring passes keys and values on: ``"allgather"`` (torch's
             default) or ``"alltoall"``.
+        ring: torch's ring attention (CUDA); ``False``: the dry run's stand-in (see the module's
+            docstring), plain attention on keys and values all-gathered over the ``cp`` ranks.
 
     Example::
 
@@ -103,11 +109,11 @@ class ContextParallel:
             loss.backward()
     """
 
-    def __init__(self, mesh: Any, *, rotate_method: str = "allgather") -> None:
+    def __init__(self, mesh: Any, *, rotate_method: str = "allgather", ring: bool = True) -> None:
         if rotate_method not in ("allgather", "alltoall"):
             raise ValueError(f"rotate_method={rotate_method!r} must be 'allgather' or 'alltoall'")
         self.mesh, self.rotate_method = mesh, rotate_method
-        self.size = mesh.size()
+        self.size, self.ring = mesh.size(), ring
         self._tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # valid labels: (this shard, all shards)
 
     @property
@@ -151,7 +157,11 @@ class ContextParallel:
                 total = local.clone()
                 dist.all_reduce(total, group=self.mesh.get_group())
                 self._tokens = (local, total)
-                yield
+                if self.ring:
+                    yield
+                else:
+                    with _gathered_attention(self.mesh.get_group(), batch["position_ids"]):
+                        yield
         finally:
             self._tokens = None
             batch.update(originals)
@@ -170,3 +180,48 @@ class ContextParallel:
         dist.all_reduce(summed, group=self.mesh.get_group())
         # value: the whole sequence's mean; gradient: weight times this shard's
         return loss * weight + (summed[0] / total - loss.detach() * weight)
+
+
+class _Gather(torch.autograd.Function):
+    """Every cp rank's ``x`` concatenated on dim 2 (the sequence of ``(batch, heads, seq, dim)``);
+    the backward reduce-scatters the gradient back (each rank's keys served every rank's queries)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        front = x.movedim(2, 0).contiguous()
+        out = front.new_empty((size * front.shape[0], *front.shape[1:]))
+        dist.all_gather_into_tensor(out, front, group=group)
+        return out.movedim(0, 2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        front = grad.movedim(2, 0).contiguous()
+        out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        return out.movedim(0, 2), None
+
+
+@contextmanager
+def _gathered_attention(group: Any, positions: torch.Tensor) -> Iterator[None]:
+    # torch's context_parallel patched scaled_dot_product_attention with its ring on entry; this
+    # puts a plain one on gathered keys and values in its place for the inside, and torch's back
+    # before torch's exit restores the original (it restores only its own function).
+    import torch.nn.functional as F
+
+    plain = torch._C._nn.scaled_dot_product_attention
+    every = _Gather.apply(positions[:, None, :, None], group)[:, 0, :, 0]  # (batch, seq) in rank order
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.pop("is_causal", None)
+        mask = positions[:, None, :, None] >= every[:, None, None, :]  # causal over global positions
+        return plain(q, _Gather.apply(k, group), _Gather.apply(v, group), attn_mask=mask, **kwargs)
+
+    ring = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = attention  # type: ignore[assignment]  # called with its own keywords only
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = ring

@@ -200,7 +200,13 @@ def mesh_sizes(strategy: Any, world_size: int) -> dict[str, int]:
     its ranks split (``dp_shard`` for FSDP, ``dp_replicate`` for DDP, ``tp``, ``pp``)."""
     dims = getattr(strategy, "resolved_dims", None)
     if dims is not None:
-        return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+        return {
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            "cp": dims.cp,
+            "tp": dims.tp,
+        }
     one = {"zero2": "dp_shard", "zero3": "dp_shard", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
     return {one.get(getattr(strategy, "name", ""), "dp_replicate"): world_size}
 

@@ -126,7 +126,9 @@ class Hybrid(PipelineSteps):
         tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         check_expert_parallel(model, dims.ep)
-        check_context_parallel(dims.cp, ctx.device.type)
+        dry_run = ctx.backend == "fake"  # kiln.parallel.fake_world: the dry run's stand-in attention
+        if not dry_run:
+            check_context_parallel(dims.cp, ctx.device.type)
         if dims.pp > 1:
             validate_split_points(model, self.split_points)
             error = stage_count_error(len(self.split_points) + 1, dims.pp, self.schedule, self.microbatches)
@@ -150,7 +152,7 @@ class Hybrid(PipelineSteps):
             cpu_offload=self.cpu_offload,
         )
         self.resolved_dims = dims
-        self.context_parallel = ContextParallel(plan.cp_mesh) if plan.cp_mesh is not None else None
+        self.context_parallel = ContextParallel(plan.cp_mesh, ring=not dry_run) if plan.cp_mesh is not None else None
         self.data_parallel_rank, self.data_parallel_size = dp_coordinate(plan.mesh, dims), dims.dp
         return plan
 
