@@ -169,6 +169,11 @@ def test_restarted_group_heals_to_identical_state(drill):
     g1b = _steps(drill["g1b"])
     first = g1b[0]
     assert first["n"] == 2 and first["committed"]
+    built = next(r for r in drill["g1b"] if r["event"] == "built")
+    print(
+        f"\nrestarted group: first step {first['time'] - drill['restarted_at']:.2f} s after its start, "
+        f"{first['time'] - built['time']:.2f} s after its Trainer was built (quorum, state transfer, step)"
+    )
     assert first["t"] > DIE_AT + 3  # it took the live group's timestamp, not its own from scratch
     # the data position came with it: group 1 reads every step's batch of its list (64 a round), as
     # if it had never been away, and not its list's start again

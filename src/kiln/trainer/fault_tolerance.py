@@ -216,7 +216,11 @@ class ReplicaGroup(Callback):
         """Average the gradients over the quorum's groups; True when every group commits this step."""
         self.start_quorum()  # an Engine driven outside fit() has no quorum yet
         manager = self.manager
-        grads = [_local(p.grad) for p in _parameters(self.engine.optimizer) if p.grad is not None]
+        params = [p for p in _parameters(self.engine.optimizer) if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused in this group's batch: it adds zeros, and steps as the others do
+                p.grad = torch.zeros_like(p)
+        grads = [_local(p.grad) for p in params if p.grad is not None]
         if grads:
             # One flat buffer per dtype: one allreduce instead of one per tensor.
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
