@@ -147,8 +147,9 @@ class ReplicaGroup(Callback):
     """This replica group's torchft Manager, run by the Trainer's loop (see the module docstring).
 
     Built by the Trainer from its ``fault_tolerance=`` option; ``trainer.fault_tolerance`` is this
-    object. It counts ``num_attempted`` and ``num_committed`` steps and keeps ``num_participants``,
-    the groups in the last quorum; its ``state_dict`` (the Manager's step) goes into checkpoints.
+    object. It counts ``num_attempted`` and ``num_committed`` steps, keeps ``num_participants`` (the
+    groups in the last quorum) and ``quorum_seconds`` (time spent waiting for quorums, where a dead
+    group's cost shows); its ``state_dict`` (the Manager's step) goes into checkpoints.
     """
 
     def __init__(self, options: FaultTolerance, state: State, engine: Engine) -> None:
@@ -156,7 +157,7 @@ class ReplicaGroup(Callback):
             from torchft import Manager, ProcessGroupGloo
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(
-                f"fault_tolerance= needs torchft ({exc}); install it with: pip install 'kiln[ft]'"
+                f"fault_tolerance= needs torchft ({exc}); install it with: pip install 'kiln-train[ft]'"
             ) from exc
         self.options = options
         self.state, self.engine = state, engine
@@ -164,7 +165,7 @@ class ReplicaGroup(Callback):
         self.group: int = options.replica_group
         self.num_attempted = self.num_committed = 0
         self.num_participants = 0
-        self.quorum_seconds = 0.0  # time spent waiting for quorums (a dead group's cost shows here)
+        self.quorum_seconds = 0.0
         self._open = False  # a quorum is started and its step not yet committed
         ctx = engine.ctx
         hostname = options.hostname or socket.gethostname()
