@@ -204,7 +204,7 @@ def mesh_sizes(strategy: Any, world_size: int) -> dict[str, int]:
             "pp": dims.pp,
             "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard,
-            "cp": dims.cp,
+            **({"cp": dims.cp} if dims.cp > 1 else {}),  # named only when used (context parallelism)
             "tp": dims.tp,
         }
     one = {"zero2": "dp_shard", "zero3": "dp_shard", "fsdp": "dp_shard", "tp": "tp", "pp": "pp"}
