@@ -20,11 +20,14 @@ __all__ = ["Auto", "peek_first_batch"]
 
 
 class Auto(Strategy):
-    """Picks ``ddp``, ``zero1``, ``zero2`` or ``zero3`` (in that order of communication) by the
-    memory estimate of :func:`kiln.parallel.plan.plan_table`, then behaves exactly as the pick.
+    """Picks ``ddp``, ``zero1``, ``zero2`` or ``zero3``: of those whose memory estimate
+    (:func:`kiln.parallel.plan.plan_table`) fits, the cheapest step by the cost model of ``kiln plan
+    --search`` (:func:`kiln.parallel.search.data_parallel_seconds`, this machine's device class;
+    the earlier on a tie), then behaves exactly as the pick.
 
     With ``example_input`` the estimate counts activations, and when no strategy fits without
-    activation checkpointing (activations dominate) it picks one with every block checkpointed:
+    activation checkpointing (activations dominate), or where the recomputation costs less than the
+    communication sharding would add, it picks one with every block checkpointed:
     the chosen strategy then runs with ``activation_checkpointing="full"``, unless the user chose
     a mode already (then that mode is measured and kept).
 
