@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     # loop
     "Trainer": "kiln.trainer.trainer",
     "Evaluator": "kiln.trainer.evaluator",
+    "FaultTolerance": "kiln.trainer.fault_tolerance",
 }
 
 _SUBMODULES = {
