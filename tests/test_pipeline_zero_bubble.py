@@ -6,18 +6,21 @@ cut before every block but the first, trained with plain SGD for 3 steps against
 on the whole batch in one process: every step's loss, the first step's gradients (before clipping),
 the gradient the first step applied (after clipping), the weights after 3 steps and every step's
 clipped norm, each within TOL = 1e-9; and the eval-mode forward of every rank after the first step
-(the forward-only order), after which training goes on. On 2 ranks the three schedules, each plain,
-with accumulation over 2 micro-steps and with clipping at 0.05 (under every step's norm); on 4 ranks
-zbv and dualpipev over 8 stages, and zbv with FSDP over 2 x 2 ranks (accumulation, clipping).
+(the forward-only order), after which training goes on. On 2 ranks zbv plain, with accumulation
+over 2 micro-steps and with clipping at 0.05 (under every step's norm), dualpipev and
+interleaved_zb with both at once; on 4 ranks zbv and dualpipev over 8 stages, and zbv with FSDP
+over 2 x 2 ranks, with both at once.
 
 Margin, measured (torch 2.13, CPU, gloo): at most 6.7e-16 in losses, 1.4e-16 in gradients, 3.3e-16
-in weights and 6.1e-16 in eval outputs. A gradient twice too large moves the weights by 0.24 after
-3 steps (the worker's "scale2", checked to stay large), a clip twice too weak by 6.1e-3.
+in weights and 6.1e-16 in eval outputs. A gradient twice too large is off by 0.27 and moves the
+weights by 0.24 after 3 steps (6.1e-3 under clipping): the worker's "scale2", checked to stay large.
 
-Checked by breaking the code on purpose (see the issue's closing note for the numbers): the V
-layout with each rank's two stages swapped, the per-microbatch loss scale doubled, FSDP resharding
-after forward under zbv, the forward-only eval order, and the cast of stage outputs to their traced
-dtypes (amp_bf16 x FSDP: garbage losses, 1e21 then nan).
+Checked by breaking the code on purpose: the per-microbatch loss scale doubled fails every 2-rank
+case (gradients off by 0.27); the V's last stage placed by the loop rule (its loss and outputs
+broadcast from the wrong rank) and the eval run on the whole training order each fail the 2-rank
+launch; FSDP resharding after forward under zbv fails zbv_fsdp (the last stage's gradients
+missing); without the cast of stage outputs to their traced dtypes the amp_bf16 case fails (losses
+not finite).
 
 amp_bf16 x FSDP x pp (1f1b on 2 x 2 ranks) against one process under torch.autocast: bf16 rounding
 moves the numbers by about 1e-3, so the losses and weights must stay within 5e-3 (the bug gave 1e21
