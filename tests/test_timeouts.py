@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -155,3 +156,61 @@ def test_a_rank_that_stops_is_named_within_the_timeout(loop, timeout, events):
     lines = [line for line in out.splitlines() if "did not arrive within" in line]
     assert len(lines) == 1, out[-4000:]
     assert re.search(rf"kiln: rank 1 did not arrive within {timeout} s; last events: {events}$", lines[0]), lines[0]
+
+
+# -- several nodes: the line names the node and host of the ranks that did not arrive -----------
+def test_in_a_multi_node_job_the_ranks_that_did_not_arrive_are_named_with_node_and_host(store):
+    def beat(rank, node, host, where, waiting=False):
+        peer = Heartbeat(store, rank, 4, timeout=0.8, node=node, num_nodes=2, host=host)
+        peer.where = lambda: where
+        peer._publish(store, waiting=waiting)  # what its thread publishes
+
+    beat(0, 0, "gpu01", "BEFORE_BACKWARD (batch 3)", waiting=True)
+    beat(1, 0, "gpu01", "AFTER_FORWARD (batch 3)")
+    beat(3, 1, "gpu02", "BATCH_START (batch 3)")
+    me = Heartbeat(store, 2, 4, timeout=0.8, node=1, num_nodes=2, host="gpu02")
+    me.start()
+    error = me.timed_out()
+    assert error.missing == [1, 3]
+    assert str(error) == (
+        "kiln: ranks 1 (node 0, host gpu01), 3 (node 1, host gpu02) did not arrive within 0.8 s; last events: "
+        "rank 0 BEFORE_BACKWARD (batch 3), rank 1 AFTER_FORWARD (batch 3), rank 2 no kiln event yet, "
+        "rank 3 BATCH_START (batch 3)"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_host(tmp_path):
+    """Two real processes as torchrun starts them on two nodes of one process each (GROUP_RANK 0
+    and 1, GROUP_WORLD_SIZE 2): rank 1 stops at step 5; rank 0's line names rank 1's node and host."""
+    from distributed import free_port
+
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **base_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        }  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / "stuck_rank.py"), "3", "engine"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        )
+    try:
+        out, _ = procs[0].communicate(timeout=90)
+    finally:
+        procs[1].kill()  # asleep at step 5 for minutes
+        procs[1].communicate()
+    assert procs[0].returncode != 0, out[-4000:]
+    lines = [line for line in out.splitlines() if "did not arrive within" in line]
+    host = re.escape(socket.gethostname())
+    assert len(lines) == 1 and re.fullmatch(
+        rf"kiln: rank 1 \(node 1, host {host}\) did not arrive within 3 s; last events: "
+        r"rank 0 Engine\.\w+ \(step 5\), rank 1 Engine\.optimizer_step \(step 4\)",
+        lines[0],
+    ), out[-4000:]

@@ -5,7 +5,9 @@ killed process leaves whole lines), with its node, rank, world size, batch, loss
 --kill-agent-at N (given to one node's launcher): on the first pass past batch N, the rank
 SIGKILLs its own `kiln run` (the node's agent dies; the parent-death signal takes the worker with it).
 --load PATH: start from that checkpoint (the reference runs) instead of autoresuming.
-While the world has one rank, each batch sleeps --slow seconds, giving a node time to come back."""
+--hold-at N: while the world has one rank, wait at the end of batch N until a SIGTERM comes (the
+agent stopping the worker group to take a returning node in; at most 120 s), after a "hold" line
+that tells the test to start that node. The Trainer's preemption handler then checkpoints batch N."""
 
 import argparse
 import json
@@ -22,7 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--kill-agent-at", type=int, default=None)
 parser.add_argument("--load", default=None)
-parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--hold-at", type=int, default=None)
 parser.add_argument("--duration", default="24ba")
 opts = parser.parse_args()
 
@@ -55,8 +57,25 @@ class Drill(kiln.Callback):
             line(event="kill", time=time.time())
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(60)  # the parent-death signal ends this process
-        if ctx.world_size == 1 and opts.slow:
-            time.sleep(opts.slow)
+        if ctx.world_size == 1 and batch == opts.hold_at:
+            hold(batch)
+
+
+def hold(batch):
+    stopping = []
+    previous = signal.getsignal(signal.SIGTERM)  # the Trainer's preemption handler
+
+    def note(signum, frame):
+        stopping.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, note)
+    line(event="hold", batch=batch, time=time.time())
+    deadline = time.monotonic() + 120
+    while not stopping and time.monotonic() < deadline:
+        time.sleep(0.02)
+    signal.signal(signal.SIGTERM, previous)
 
 
 trainer = kiln.Trainer(

@@ -6,6 +6,15 @@ or SIGTERM at preemption; Kubernetes: SIGTERM). The handler only records the sig
 at different batches), the checkpoint is written and committed, and the process exits with
 :data:`PREEMPTED_EXIT_CODE`, so that ``autoresume=True`` on the next launch continues exactly there.
 
+SLURM. Inside a SLURM job (``SLURM_JOB_ID`` set) a SIGUSR1 also requeues the job: rank 0 runs
+``scontrol requeue $SLURM_JOB_ID`` after the checkpoint is committed, and the requeued job, started
+again with the same command, autoresumes from it. SIGUSR1 is the signal users ask for ahead of the
+time limit (``#SBATCH --signal=USR1@120``, with ``#SBATCH --requeue``) to get exactly this, and
+the one Lightning requeues on by default. A SIGTERM only checkpoints and exits: it is what
+``scancel`` sends (a cancelled job must stay cancelled) and what SLURM sends at the time limit and
+at preemption, where the cluster's own ``PreemptMode=REQUEUE`` requeues the job if it is meant to
+be. ``requeue=True`` requeues on every handled signal, ``requeue=False`` never.
+
 Exit status: ``PREEMPTED_EXIT_CODE = 75`` (``EX_TEMPFAIL``, "temporary failure, try again"). It
 is non-zero on purpose: the run is not finished, so retry loops, ``torchrun --max-restarts`` and
 Kubernetes ``restartPolicy: OnFailure`` start it again, while a finished run exits 0.
@@ -16,6 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -45,7 +55,9 @@ class PreemptionHandler:
 
     Args:
         signals: signal names to handle (``"SIGTERM"``, ``"SIGUSR1"``, ...).
-        requeue: under SLURM, ``scontrol requeue $SLURM_JOB_ID`` from rank 0 before exiting.
+        requeue: inside a SLURM job, ``scontrol requeue $SLURM_JOB_ID`` from rank 0 before
+            exiting: ``None`` (default) after a SIGUSR1 only, ``True`` after any handled signal,
+            ``False`` never (see the module's docstring for why SIGTERM is left out by default).
 
     Example (a plain loop)::
 
@@ -57,7 +69,7 @@ class PreemptionHandler:
                 handler.exit()
     """
 
-    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), requeue: bool = False) -> None:
+    def __init__(self, signals: Sequence[str] = ("SIGTERM", "SIGUSR1"), requeue: bool | None = None) -> None:
         self.signals = []
         for name in signals:
             if not hasattr(signal, name):
@@ -104,11 +116,17 @@ class PreemptionHandler:
     def exit(self) -> None:
         """Requeue if asked, then raise :class:`Preempted` (exit status :data:`PREEMPTED_EXIT_CODE`)."""
         self.uninstall()
-        if self.requeue and collectives.rank_and_world()[0] == 0 and os.environ.get("SLURM_JOB_ID"):
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and self.requeues() and collectives.rank_and_world()[0] == 0:
             try:
-                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+                subprocess.run(["scontrol", "requeue", job], check=True, timeout=60)
+                print(f"kiln: {self.signal_name}: SLURM job {job} requeued (scontrol requeue)", file=sys.stderr)
             except (OSError, subprocess.SubprocessError) as exc:
-                warnings.warn(
-                    f"could not requeue SLURM job {os.environ['SLURM_JOB_ID']}: {exc}", KilnWarning, stacklevel=2
-                )
+                warnings.warn(f"could not requeue SLURM job {job}: {exc}", KilnWarning, stacklevel=2)
         raise Preempted(self.signal_name)
+
+    def requeues(self) -> bool:
+        """Whether the signal received asks for a requeue (inside SLURM): see ``requeue``."""
+        if self.requeue is None:
+            return self.received == signal.SIGUSR1
+        return bool(self.requeue) and bool(self.received)

@@ -54,7 +54,9 @@ class CheckpointSaver(Callback):
         every_n_train_steps, every_n_epochs: nnScaler's form; when given, they replace ``interval``
             (a checkpoint is saved when either is due).
         preemption_signals: signals that mean "checkpoint now and exit" (empty: none handled).
-        requeue: under SLURM, requeue the job after a preemption checkpoint.
+        requeue: inside a SLURM job, ``scontrol requeue`` after a preemption checkpoint: ``None``
+            (default) after a SIGUSR1 (``#SBATCH --signal=USR1@120``) but not a SIGTERM (what
+            ``scancel`` sends), ``True`` after any signal, ``False`` never.
         exit_on_preemption: exit after the preemption checkpoint (else only stop training).
         storage_options: for a URL, the fsspec filesystem's options (``{"endpoint_url": ...,
             "key": ..., "secret": ...}`` for S3); by default the standard environment variables.
@@ -78,7 +80,7 @@ class CheckpointSaver(Callback):
         every_n_train_steps: int | None = None,
         every_n_epochs: int | None = None,
         preemption_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
-        requeue: bool = False,
+        requeue: bool | None = None,
         exit_on_preemption: bool = True,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:

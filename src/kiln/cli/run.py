@@ -127,16 +127,24 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
 # Rendezvous settings of an elastic (MIN:MAX) job, in seconds. torch's defaults take ~47 s from a
 # node's death to the next step on the nodes left: 15 s before the dead node's heartbeat expires
 # (keep_alive_interval 5 x keep_alive_max_attempt 3), then a 30 s last call for nodes to join the
-# smaller group. A node is declared dead after 3 missed heartbeats of 1 s, and the last call waits
-# 3 s: long enough for nodes started together to meet in one round. A user's --rdzv-conf key wins.
-_ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=3,close_timeout=5"
+# smaller group. Here a node is declared dead after 3 missed heartbeats of 1 s: not 2, because an
+# agent sends one only when its last is a whole interval old, so on torch's 1 s timer they come 1
+# to 2 s apart, and with 2 a live node's agent was declared dead here (its own job split in two).
+# The last call waits 2 s: the nodes left notice a loss within a second of each other (their
+# workers fail at once) and nodes started together meet well within it; a node that misses it is
+# taken in by a restart. torch takes whole seconds. A user's --rdzv-conf key wins.
+_ELASTIC_RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,close_timeout=5"
+
+
+def is_elastic(nnodes: str) -> bool:
+    """Whether ``--nnodes`` lets the number of nodes change while the job runs (``MIN:MAX``, MIN < MAX)."""
+    low, _, high = str(nnodes).partition(":")
+    return bool(high) and low != high
 
 
 def rdzv_conf(nnodes: str, user: str | None) -> str | None:
     """The --rdzv-conf for torchrun: kiln's fast defaults under the user's keys for MIN:MAX jobs."""
-    low, _, high = str(nnodes).partition(":")
-    elastic = bool(high) and low != high
-    pairs = dict(item.split("=", 1) for item in _ELASTIC_RDZV_CONF.split(",")) if elastic else {}
+    pairs = dict(item.split("=", 1) for item in _ELASTIC_RDZV_CONF.split(",")) if is_elastic(nnodes) else {}
     for item in (user or "").split(","):
         if item.strip():
             key, sep, value = item.partition("=")
@@ -168,6 +176,13 @@ def run(args: argparse.Namespace) -> int:
     from kiln.launch.parent_death import PARENT_PID_ENV
 
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers' parent: see kiln.launch.parent_death
+    if is_elastic(args.nnodes):
+        # torch's agents share one store with the workers by default, created by the first
+        # round's rank-0 node; when a node joins later the rounds disagree about it (a new node
+        # given rank 0 starts a store of its own, the others keep theirs: every worker then hangs
+        # connecting to peers that are not there; pytorch/pytorch#135712). torch's own switch
+        # gives each round a store of its own, hosted by its rank 0 worker.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node != "1":
         # what torchrun does for several workers per node, without its four-line banner about it
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -307,7 +322,11 @@ class _ElasticNews(logging.Filter):
                     f"restarting the workers ({int(left) - 1} of {most} restarts left after this one)"
                 )
             elif record.msg == self._JOINING:
-                print_line(f"kiln run: {args[1]} node(s) waiting to join; restarting the workers to take them in")
+                joined = int(args[1])
+                print_line(
+                    f"kiln run: {_count(joined, 'node')} joined; "
+                    f"restarting the workers to take {'it' if joined == 1 else 'them'} in"
+                )
             elif str(record.msg).startswith("[%(role)s] Rendezvous complete") and isinstance(args, dict):
                 sizes = args.get("global_world_sizes") or [0]
                 world = (int(args["group_world_size"]), int(sizes[0]))

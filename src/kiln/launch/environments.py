@@ -22,6 +22,7 @@ __all__ = [
     "from_slurm",
     "from_openmpi",
     "job_id",
+    "node_of",
     "slurm_address",
 ]
 
@@ -130,6 +131,27 @@ def detect(env: Mapping[str, str] | None = None) -> Launcher | None:
         if _read_int(env, ("SLURM_NTASKS", "SLURM_NPROCS"), "SLURM") > 1:
             return Launcher("SLURM", *from_slurm(env))
     return None
+
+
+def node_of(env: Mapping[str, str] | None = None) -> tuple[int | None, int | None]:
+    """This process's node and the job's number of nodes, as its launcher numbers them, or Nones.
+
+    torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (one agent per node); in a SLURM job step,
+    ``SLURM_NODEID`` and the step's node count (``SLURM_STEP_NUM_NODES``, else the job's
+    ``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``). Open MPI numbers no nodes. Malformed values are
+    left out (None): this only describes a process, it never decides where it runs.
+    """
+    env = os.environ if env is None else env
+
+    def first(*names: str) -> int | None:
+        raw = next((env[n] for n in names if n in env), None)
+        return int(raw) if raw is not None and raw.isdigit() else None
+
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return first("GROUP_RANK"), first("GROUP_WORLD_SIZE")
+    if any(name in env for name in _SLURM_STEP):
+        return first("SLURM_NODEID"), first("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+    return None, None
 
 
 # The port rank 0 listens on when MASTER_PORT is not set: the same in every task of one job step

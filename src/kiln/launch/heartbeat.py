@@ -9,6 +9,11 @@ whose collective times out reads them all and raises (or, outside the Trainer, p
 
     kiln: rank 1 did not arrive within 20 s; last events: rank 0 BEFORE_BACKWARD (batch 5), rank 1 BATCH_START (batch 5)
 
+In a job of several nodes each rank's heartbeat also carries its node (as the launcher numbers
+it: torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``) and host, and the line names them for
+the ranks that did not arrive: ``kiln: rank 3 (node 1, host gpu07) did not arrive within 20 s;
+...``, so the machine to look at is in the message.
+
 Cost. The training thread only notes its event in a Python attribute (the Trainer's
 :class:`~kiln.trainer.events.EventRunner` does it on every event when a heartbeat runs). A daemon
 thread publishes it, when it changed, every ``min(1 s, timeout / 10)``: one store ``set`` (a few
@@ -31,6 +36,7 @@ from __future__ import annotations
 import atexit
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -67,10 +73,28 @@ class Heartbeat:
         store: the store the process group was made with (a clone is used from the thread).
         rank, world_size: this process's place.
         timeout: the process-group timeout, in seconds.
+        node, num_nodes: this process's node and the job's number of nodes; by default from the
+            launcher's variables (:func:`kiln.launch.environments.node_of`).
+        host: this machine's name (default ``socket.gethostname()``).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        node: int | None = None,
+        num_nodes: int | None = None,
+        host: str | None = None,
+    ) -> None:
+        from kiln.launch.environments import node_of
+
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        found_node, found_num_nodes = node_of()
+        self.node = found_node if node is None else node
+        self.num_nodes = found_num_nodes if num_nodes is None else num_nodes
+        self.host = socket.gethostname() if host is None else host
         # What this rank is doing, in words; the Trainer points it at its event runner.
         self.where: Callable[[], str] | None = None
         self.interval = min(1.0, timeout / 10)
@@ -108,7 +132,7 @@ class Heartbeat:
             return "unknown"
 
     def _publish(self, store: dist.Store, waiting: bool = False) -> None:
-        value = json.dumps({"where": self._describe(), "waiting": waiting})
+        value = json.dumps({"where": self._describe(), "waiting": waiting, "node": self.node, "host": self.host})
         if value != self._published:
             store.set(_KEY.format(self.rank), value)
             self._published = value
@@ -144,11 +168,19 @@ class Heartbeat:
         listed = ", ".join(f"rank {r} {events[r]}" for r in range(self.world_size))
         seconds = f"{self.timeout:g} s"
         if missing:
-            who = f"rank {missing[0]}" if len(missing) == 1 else "ranks " + ", ".join(map(str, missing))
+            named = [f"{r}{self._place(beats.get(r, {}))}" for r in missing]
+            who = f"rank {named[0]}" if len(named) == 1 else "ranks " + ", ".join(named)
             message = f"kiln: {who} did not arrive within {seconds}; last events: {listed}"
         else:
             message = f"kiln: a collective timed out after {seconds} with every rank waiting; last events: {listed}"
         return CollectiveTimeout(message, missing, events)
+
+    def _place(self, beat: dict[str, Any]) -> str:
+        """`` (node N, host H)`` for a rank's heartbeat in a job of several nodes, else nothing."""
+        if not (self.num_nodes or 0) > 1 or "host" not in beat:
+            return ""  # one node: the rank number says it all; no heartbeat: nothing known
+        node = beat.get("node")
+        return f" (node {node if node is not None else '?'}, host {beat['host']})"
 
 
 _CURRENT: Heartbeat | None = None

@@ -1,0 +1,63 @@
+"""A Trainer job as a SLURM batch script runs it: checkpoints, autoresume, and a signal ahead of the
+time limit (tests/test_slurm.py).
+
+    slurm_requeue.py OUT [--signal-after N]
+
+Each batch appends its loss to OUT/steps.jsonl; the end appends the final weights. With
+``--signal-after N`` the process sends itself SIGUSR1 at the end of batch N (what
+``#SBATCH --signal=USR1@120`` delivers before the time limit): the Trainer checkpoints at the end
+of the next batch it finishes, requeues the job through ``scontrol`` and exits 75.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+from torch import nn
+
+import kiln
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--signal-after", type=int, default=None)
+opts = parser.parse_args()
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(64, 8, generator=g)
+data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+log = os.open(os.path.join(opts.out, "steps.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+
+
+def line(**fields):
+    os.write(log, (json.dumps(fields) + "\n").encode())
+
+
+class Signal(kiln.Callback):
+    def batch_end(self, state, logger):
+        batch = state.timestamp.batch.value
+        line(batch=batch, loss=state.loss.item())
+        if batch == opts.signal_after:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+trainer = kiln.Trainer(
+    model,
+    train_dataloader=torch.utils.data.DataLoader(data, batch_size=4, shuffle=True),
+    max_duration="2ep",
+    optimizers=torch.optim.AdamW(model.parameters(), lr=0.01),
+    criterion=nn.CrossEntropyLoss(),
+    callbacks=[Signal()],
+    save_folder=os.path.join(opts.out, "ckpt"),
+    save_interval="1ep",
+    autoresume=True,
+    seed=3,
+    progress_bar=False,
+)
+line(event="start", batch=trainer.state.timestamp.batch.value)
+trainer.fit()
+line(event="end", weights={k: v.tolist() for k, v in trainer.state.model.state_dict().items()})
+os.close(log)
