@@ -143,7 +143,7 @@ class Engine:
         self._inline_step = kind.optimizer_step is Strategy.optimizer_step and self.scaler is None
         self._gradient_sync: Callable[[], bool] | None = None  # set_gradient_sync's
         # A strategy that runs each microbatch inside a context (context parallelism) takes the general path.
-        self._microbatch_context = kind.microbatch_context is not Strategy.microbatch_context
+        self._microbatch_context = self.strategy.wraps_microbatches
         # Where this rank is, for the heartbeat of a plain Engine loop (a Trainer describes its events instead).
         self._last_call, self._num_steps = "initialize", 0
         heartbeat.follow(self._describe, replace=False)

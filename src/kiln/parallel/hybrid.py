@@ -182,6 +182,10 @@ class Hybrid(PipelineSteps):
             trace_context=lambda traced: traced_as_tp_rank(traced, plan.tp_plan, plan.dims.tp if plan.dims else 1),
         ), optimizer
 
+    @property
+    def wraps_microbatches(self) -> bool:
+        return self.context_parallel is not None
+
     def microbatch_context(self, batch: Any) -> AbstractContextManager[None]:
         """With ``cp``: the microbatch's sequences split over the ``cp`` ranks, ring attention on."""
         if self.context_parallel is None:

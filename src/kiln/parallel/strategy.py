@@ -153,6 +153,12 @@ class Strategy:
         context manager, since the Engine's forward and backward are separate calls of user code.
         """
 
+    @property
+    def wraps_microbatches(self) -> bool:
+        """Whether :meth:`microbatch_context` does anything in this run (read after ``setup``; the
+        Engine's common step skips it when not)."""
+        return False
+
     def microbatch_context(self, batch: Any) -> AbstractContextManager[None]:
         """What the forward and backward of one training microbatch run inside (the Engine's
         ``train_step`` enters it); context parallelism splits the batch's sequences there."""
