@@ -1,8 +1,8 @@
 """SLURM the way clusters use it (issue 24, item 4).
 
-* A signal ahead of the time limit: ``#SBATCH --signal=USR1@120`` sends SIGUSR1; the Trainer
-  checkpoints, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (a fake ``scontrol`` on PATH records
-  its arguments), the process exits 75, and the requeued job, the same command in the same folder,
+* A signal ahead of the time limit: ``#SBATCH --signal=USR1@120`` sends SIGUSR1 to ``kiln run``,
+  which passes it to its workers; the Trainer checkpoints, rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (a fake ``scontrol`` on PATH records
+  its arguments), ``kiln run`` exits 75, and the requeued job, the same command in the same folder,
   autoresumes from that checkpoint: losses and weights as an uninterrupted run's, bit for bit.
   A SIGTERM (``scancel``, SLURM's own preemption) checkpoints without requeueing, unless asked.
 * Where rank, world size, local rank and rank 0's address come from in a job step, for SLURM's
@@ -65,8 +65,10 @@ def test_sigusr1_checkpoints_requeues_the_job_and_the_requeued_job_resumes_bit_e
         "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node01",
     }  # fmt: skip
     path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    # `srun kiln run -n 1 train.py`: the signal reaches kiln run, which passes it to its worker
     first = subprocess.run(
-        [sys.executable, str(WORKER), str(job), "--signal-after", "6"],
+        [sys.executable, "-m", "kiln.cli.main", "run", "-n", "1", str(WORKER), str(job), "--signal-after", "6"]
+        + ["--signal-launcher"],
         env={**base_env(), **slurm, "PATH": path},
         capture_output=True,
         text=True,
@@ -75,6 +77,9 @@ def test_sigusr1_checkpoints_requeues_the_job_and_the_requeued_job_resumes_bit_e
     assert first.returncode == PREEMPTED_EXIT_CODE, first.stderr[-3000:]
     assert scontrol.read_text() == f"requeue {JOB}\n"  # once, by rank 0
     assert f"kiln: SIGUSR1: SLURM job {JOB} requeued (scontrol requeue)" in first.stderr.splitlines()
+    assert first.stderr.splitlines()[-1] == (
+        "kiln run: preempted: the workers saved a checkpoint and exited 75; the same command resumes from it (autoresume)"
+    )
     assert os.readlink(job / "ckpt" / "last") == "ep0-ba6"  # the batch the signal came in
     # SLURM starts the requeued job with the same command (and SLURM_RESTART_COUNT=1)
     _in_process(job, monkeypatch, {**slurm, "SLURM_RESTART_COUNT": "1", "PATH": path})

@@ -1,12 +1,13 @@
 """A Trainer job as a SLURM batch script runs it: checkpoints, autoresume, and a signal ahead of the
 time limit (tests/test_slurm.py).
 
-    slurm_requeue.py OUT [--signal-after N]
+    slurm_requeue.py OUT [--signal-after N] [--signal-launcher]
 
 Each batch appends its loss to OUT/steps.jsonl; the end appends the final weights. With
 ``--signal-after N`` the process sends itself SIGUSR1 at the end of batch N (what
 ``#SBATCH --signal=USR1@120`` delivers before the time limit): the Trainer checkpoints at the end
-of the next batch it finishes, requeues the job through ``scontrol`` and exits 75.
+of the batch, requeues the job through ``scontrol`` and exits 75. ``--signal-launcher``: the signal
+goes to the parent instead, the ``kiln run`` that ``srun`` started, which passes it on.
 """
 
 import argparse
@@ -22,6 +23,7 @@ import kiln
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--signal-after", type=int, default=None)
+parser.add_argument("--signal-launcher", action="store_true")
 opts = parser.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -41,7 +43,7 @@ class Signal(kiln.Callback):
         batch = state.timestamp.batch.value
         line(batch=batch, loss=state.loss.item())
         if batch == opts.signal_after:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getppid() if opts.signal_launcher else os.getpid(), signal.SIGUSR1)
 
 
 trainer = kiln.Trainer(

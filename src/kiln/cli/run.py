@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from typing import Any
 
 __all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
@@ -214,6 +215,7 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
     from kiln.launch.failures import find_reports, print_line, summarize_reports
 
     _ElasticNews.install(log_dir, single_node)  # after torch's import, which sets its loggers' levels
+    forwarding = _forward_sigusr1()
     try:
         # torchrun's run(), not its @record main(): that would log the failing rank's error file
         # (its whole traceback) once more
@@ -229,6 +231,14 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
         # shutdown that followed it; or the agent ended on another error (the node hosting the
         # rendezvous store went away) after stopping workers that left their reports.
         failed = next((e for e in _chain(exc) if isinstance(e, ChildFailedError)), None)
+        if failed is not None and _preempted(failed):
+            from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
+
+            print_line(
+                f"kiln run: preempted: the workers saved a checkpoint and exited {PREEMPTED_EXIT_CODE}; "
+                "the same command resumes from it (autoresume)"
+            )
+            return PREEMPTED_EXIT_CODE
         line = describe_failure(failed, single_node) if failed is not None else None
         if line is None and log_dir is not None:
             line = summarize_reports(find_reports(log_dir), single_node)
@@ -236,7 +246,60 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
             raise
         print_line(f"kiln run: {line or describe_failure(exc) + ' (KILN_DEBUG=1 shows the traceback)'}")
         return 1
+    finally:
+        if forwarding is not None:
+            signal.signal(signal.SIGUSR1, forwarding)
     return 0
+
+
+def _preempted(failed: Any) -> bool:
+    """Whether the workers ended preempted: some exited with kiln's preemption status (their
+    checkpoint committed) and the rest too, or by the SIGTERM the agent sent once the first left."""
+    from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
+
+    codes = {getattr(f, "exitcode", None) for f in (getattr(failed, "failures", None) or {}).values()}
+    return PREEMPTED_EXIT_CODE in codes and codes <= {PREEMPTED_EXIT_CODE, -signal.SIGTERM}
+
+
+def _forward_sigusr1() -> Any:
+    """Pass SIGUSR1 on to the workers; returns the handler it replaced (None if not installed).
+
+    SLURM's warning ahead of the time limit (``#SBATCH --signal=USR1@120``) reaches the task that
+    ``srun`` started, this process; torchrun's agent forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT
+    to its workers but not SIGUSR1, whose default action would end this process (and with it the
+    workers, unsaved). The workers, in sessions of their own, are this process's children.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in _children(os.getpid()):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:  # ended meanwhile
+                pass
+
+    return signal.signal(signal.SIGUSR1, forward)
+
+
+def _children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``, from /proc (none where there is no /proc)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        except OSError:
+            continue
+        if len(fields) > 1 and fields[1] == str(parent):
+            found.append(int(entry))
+    return found
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
