@@ -284,7 +284,7 @@ def _forward_sigusr1() -> Any:
 
 def _children(parent: int) -> list[int]:
     """The pids whose parent is ``parent``, from /proc (none where there is no /proc)."""
-    found = []
+    found: list[int] = []
     try:
         entries = os.listdir("/proc")
     except OSError:
