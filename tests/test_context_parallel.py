@@ -175,3 +175,20 @@ def test_dry_run_counts_the_ring_and_splits_the_activations():
     # each rank's share of the sequence: measured 0.64 x (the gathered keys and values stay
     # whole); whole sequences on every rank would be 1.0 x or more
     assert with_cp.activations < 0.75 * without.activations, (with_cp.activations, without.activations)
+
+
+def test_kiln_train_refuses_cp_on_cpu_before_any_process(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from distributed import ROOT
+    from kiln.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))  # the run file's dataset is examples.lm_data
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    overrides = ["--compute_config.ep", "1", "--compute_config.cp", "2", "--nproc-per-node", "2"]
+    assert main(["train", "-f", str(ROOT / "examples" / "moe_pretrain.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kiln train: error: compute_config.cp: cp=2 needs CUDA devices, got cpu: "), err
+    assert "\n" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written, no process started

@@ -223,6 +223,12 @@ def train(args: argparse.Namespace) -> int:
         from kiln.cli.plan import dry_run_command
 
         return dry_run_command(trainer_args, world, prog="kiln train")
+    try:  # after the dry run, which runs context parallelism on the CPU with a stand-in attention
+        import torch
+
+        trainer_args.compute_config.check_context_parallel("cuda" if torch.cuda.is_available() else "cpu")
+    except ConfigError as e:
+        return _fail(e)
     if nproc is not None and launcher is None:
         return _relaunch(args, nproc)
     return run_training(trainer_args)

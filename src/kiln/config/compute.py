@@ -201,6 +201,16 @@ class ComputeConfig:
                 path="compute_config.ep",
             )
 
+    def check_context_parallel(self, device_type: str) -> None:
+        """Refuse ``cp > 1`` on a ``device_type`` where torch's ring attention cannot run, before
+        any process starts (the strategy refuses it again at setup, for runs built in code)."""
+        from kiln.parallel.context import check_context_parallel
+
+        try:
+            check_context_parallel(self.cp, device_type)
+        except ValueError as e:
+            raise ConfigError(f"compute_config.cp: {e}", path="compute_config.cp") from None
+
     def strategy_name(self, pas_policy: str, world_size: int) -> str:
         """The kiln strategy this config asks for (before ``"auto"`` is resolved by the world)."""
         value: object  # the field value that chose the strategy, for the error message
