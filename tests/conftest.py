@@ -39,6 +39,7 @@ def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -
 # pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder), each taking the next
 # file as it finishes one, so no worker is left running a long file alone at the end.
 LONGEST_FIRST = (
+    "test_multinode.py",  # drills of real launchers: 2-4 min (issue 24)
     "test_clean_exit.py",
     "test_resume_full.py",
     "test_levers.py",

@@ -32,6 +32,10 @@ import pytest
 from distributed import ROOT, WORKERS, base_env, check, free_port, kiln_run
 from kiln.cli.run import torchrun_args
 
+# The module's drills run once, in the setup of whichever test asks first: 2-4 minutes of real
+# launches on a loaded 2-core machine, past pytest-timeout's 300 s default at worst.
+pytestmark = pytest.mark.timeout(900)
+
 SCRIPT = WORKERS / "elastic_nodes.py"
 KILL_AT = 5  # after the checkpoint at batch 4 (save_interval 2ba)
 HOLD_AT = 8  # at world size 1 the job waits at the end of this batch for the node coming back
