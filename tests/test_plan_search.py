@@ -188,9 +188,10 @@ def test_kiln_plan_search_prints_json_and_refuses_bad_input(capsys):
 
 
 def test_dry_run_of_grouped_query_attention_under_pp_x_tp():
-    """Llama with 8 query / 2 key-value heads at pp 2 x dp_shard 2 x tp 2 (world 8) on the fake world:
-    kiln refused this before (the trace kept the whole model's key/value heads); each stage's rank
-    holds its stage's parameters split by tensor parallelism, then FSDP's shard of them."""
+    """Llama with 8 query / 2 key-value heads at pp 2 x dp_shard 2 x tp 2 (world 8) on the fake world,
+    under amp_bf16: kiln refused this before (the trace kept the whole model's key/value heads), and
+    FSDP's bf16 parameters stopped the stage at the trace's dtype assertions; each stage's rank holds
+    its stage's parameters split by tensor parallelism, then FSDP's shard of them."""
     from kiln.config.args import load_trainer_args
     from kiln.parallel.dry_run import dry_run
 
@@ -206,7 +207,7 @@ def test_dry_run_of_grouped_query_attention_under_pp_x_tp():
         },
         "micro_batch_size": 2,
         "max_train_steps": 1,
-        "precision": "fp32",
+        "precision": "amp_bf16",
         "model": {"type": "kiln.models.HuggingFaceModel.from_config", "args": {"config": model}},
         "optimizer": {"type": "torch.optim.AdamW", "args": {"lr": 1e-3}},
         "dataset": {"type": "lm_data.StdlibText.from_stdlib", "train_args": {"seq_len": seq, "max_bytes": 5000}},
@@ -223,10 +224,27 @@ def test_dry_run_of_grouped_query_attention_under_pp_x_tp():
     block = 2 * hidden * hidden // 2 // 2 + 2 * kv * hidden // 2 // 2 + 3 * inter * hidden // 2 // 2 + 2 * hidden // 2
     assert first.params == 4 * (block + vocab * hidden // 2)  # + the embedding (whole under tp), sharded
     assert last.params == 4 * (block + hidden // 2 + vocab * hidden // 2)  # + the final norm and LM head
-    # 2 pipeline microbatches of 1 sequence through 1 block per stage: 7 all-reduces of its fp32
-    # activations each (o_proj and down_proj forward; the input gradients of q, k, v, gate, up)
+    # 2 pipeline microbatches of 1 sequence through 1 block per stage: 7 all-reduces each, the bf16
+    # outputs of o_proj and down_proj forward, the fp32 input gradients of q, k, v, gate and up
     for rank in (first, last):
-        assert rank.calls["all_reduce"] == {"tp": 7 * 2} and rank.collectives["all_reduce"] == {
-            "tp": 14 * seq * hidden * 4
-        }
+        assert rank.calls["all_reduce"] == {"tp": 7 * 2}
+        assert rank.collectives["all_reduce"] == {"tp": (2 * 2 * 2 + 5 * 2 * 4) * seq * hidden}
         assert rank.grads == rank.params
+
+
+def test_a_traced_stage_runs_the_models_casts_on_bf16():
+    from torch import nn
+
+    from kiln.parallel.traced_casts import drop_cast_assertions
+
+    class Norm(nn.Module):
+        def forward(self, x):
+            return (x.to(torch.float32) * 3).sum(-1)
+
+    traced = torch.export.export(Norm(), (torch.randn(2, 3),), strict=False).module()
+    x = torch.randn(2, 3).to(torch.bfloat16)  # what FSDP's bf16 policy hands a stage traced in fp32
+    with pytest.raises(RuntimeError, match="Tensor dtype mismatch"):
+        traced(x)
+    assert drop_cast_assertions(traced) == 1
+    out = traced(x)
+    assert out.dtype == torch.float32 and torch.equal(out, Norm()(x))

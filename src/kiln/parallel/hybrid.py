@@ -36,6 +36,7 @@ from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, st
 from kiln.parallel.pipeline_schedules import SPLIT_BACKWARD
 from kiln.parallel.tensor import check_tp_size, matching_modules, resolve_tp_plan
 from kiln.parallel.tp_trace import traced_as_tp_rank
+from kiln.parallel.traced_casts import drop_cast_assertions
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -164,6 +165,8 @@ class Hybrid(PipelineSteps):
             return parallelize(self, model, plan, optimizer=optimizer), optimizer
 
         def prepare_stage(stage: nn.Module) -> None:
+            # FSDP's bf16 parameters meet the dtype assertions the trace left for the model's casts
+            drop_cast_assertions(stage)
             if plan.tp_mesh is not None:
                 stage_plan = {p: s for p, s in plan.tp_plan.items() if matching_modules(stage, p)}
                 _restore_split_layers(stage, model, stage_plan)
