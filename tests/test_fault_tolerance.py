@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,13 +43,13 @@ def _records(path: Path) -> list[dict]:
 
 
 class _Drill:
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.procs = folder, {}
+    def __init__(self, folder: Path, groups: int = 2) -> None:
+        self.folder, self.procs, self.env = folder, {}, {**base_env(), "FT_GROUPS": str(groups)}
         self.began, self.phases = time.monotonic(), []
 
     def start(self, name: str, *cmd: str) -> subprocess.Popen:
         out, err = open(self.folder / f"{name}.out", "w"), open(self.folder / f"{name}.err", "w")
-        proc = subprocess.Popen([sys.executable, *cmd], env=base_env(), stdout=out, stderr=err)
+        proc = subprocess.Popen([sys.executable, *cmd], env=self.env, stdout=out, stderr=err)
         self.procs[name] = proc
         return proc
 
@@ -91,11 +92,7 @@ def drill(tmp_path_factory):
     try:
         # The groups start beside it (their Managers wait for it up to their connect timeout).
         port = free_port()
-        lighthouse = d.start(
-            "lighthouse",
-            *("-m", "kiln.cli.main", "lighthouse", "--min-replicas", "1", "--port", str(port)),
-            *("--join-timeout", "2", "--heartbeat-timeout", str(HEARTBEAT), "--quorum-tick", "0.02"),
-        )
+        lighthouse = d.start("lighthouse", *_lighthouse_args(port))
         d.lighthouse = f"http://127.0.0.1:{port}"
         g0 = d.group("g0", 0, 1)
         g1 = d.group("g1a", 1, 1, str(DIE_AT))
@@ -129,6 +126,33 @@ def drill(tmp_path_factory):
         }
     finally:
         d.kill_all()
+
+
+@pytest.fixture(scope="module")
+def drill3(tmp_path_factory):
+    """Three groups: group 2 dies in step 4 and is started again while groups 0 and 1 step on."""
+    folder = tmp_path_factory.mktemp("ft3")
+    d = _Drill(folder, groups=3)
+    try:
+        lighthouse = d.start("lighthouse", *_lighthouse_args(port := free_port()))
+        d.lighthouse = f"http://127.0.0.1:{port}"
+        g0, g1, g2 = d.group("g0", 0, 1), d.group("g1", 1, 1), d.group("g2a", 2, 1, str(DIE_AT))
+        d.wait_for("group 2's death", lambda: g2.poll() is not None)
+        d.wait_for("3 steps of groups 0 and 1 alone", lambda: sum(r.get("n") == 2 for r in d.log("g0")) >= 3)
+        g2b = d.group("g2b", 2, 2)
+        d.wait_for("the three groups' end", lambda: all(p.poll() is not None for p in (g0, g1, g2b)))
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
+        yield {"folder": folder, "exit": {name: p.returncode for name, p in d.procs.items()}, "tails": d.tails()}
+    finally:
+        d.kill_all()
+
+
+def _lighthouse_args(port: int) -> list[str]:
+    return [
+        *("-m", "kiln.cli.main", "lighthouse", "--min-replicas", "1", "--port", str(port)),
+        *("--join-timeout", "2", "--heartbeat-timeout", str(HEARTBEAT), "--quorum-tick", "0.02"),
+    ]
 
 
 def _steps(log: list[dict]) -> list[dict]:
@@ -191,17 +215,37 @@ def test_restarted_group_heals_to_identical_state(drill):
 
 def test_final_loss_equals_reference_of_committed_steps(drill):
     saved = torch.load(drill["folder"] / "final-g0.pt", weights_only=True)
+    logs = [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"]), *_steps(drill["g1c"])]
+    num_committed = _replay(logs, 512, saved)
+    assert num_committed == max(r["t"] for r in logs) - 2  # the step group 1 died in and the one it hung in
+
+
+def _replay(logs: list[dict], size: int, saved: dict, rtol: float = 0.0) -> int:
+    """Replay exactly the committed steps in this process, each averaging the gradients of the
+    groups that logged it (summed in group order); every step's loss must be what each group
+    logged and the weights and momentum at ``saved["t"]`` what the groups wrote: bit for bit
+    (``rtol`` 0: two values sum the same in any order), else within ``rtol`` (gloo sums three in an
+    order of its own: a last-bit difference, where a dropped or extra step, or an average over the
+    wrong groups, moves the weights by ~1e-2). Returns the number of committed steps."""
+
+    def same(a: Any, b: Any) -> None:
+        if rtol:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * 1e-2)
+        else:
+            _assert_equal(a, b)
+
     by_t: dict[int, list[dict]] = {}
-    for r in [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"]), *_steps(drill["g1c"])]:
+    for r in logs:
         by_t.setdefault(r["t"], []).append(r)
     torch.manual_seed(0)
-    torch.randn(512, 4), torch.randn(512, 1)  # the dataset the groups build first
+    torch.randn(size, 4), torch.randn(size, 1)  # the dataset the groups build first
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
     num_committed = 0
     for t in range(1, max(by_t) + 1):
-        if t == saved["t"] + 1:  # the state both groups wrote
-            _assert_equal(saved["model"], model.state_dict())
+        if t == saved["t"] + 1:  # the state the groups wrote
+            same(saved["model"], model.state_dict())
+            same(saved["optimizer"]["state"], optimizer.state_dict()["state"])
         records = sorted(by_t[t], key=lambda r: r["g"])
         assert len({r["committed"] for r in records}) == 1, records  # the groups agree
         if not records[0]["committed"]:
@@ -211,15 +255,17 @@ def test_final_loss_equals_reference_of_committed_steps(drill):
         for r in records:
             model.zero_grad()
             loss = nn.functional.mse_loss(model(torch.tensor(r["x"])), torch.tensor(r["y"]))
-            assert loss.item() == r["loss"]  # the forward each group ran, bit for bit
+            same(loss.item(), r["loss"])  # the forward each group ran
             loss.backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
-            total = gs[0] if len(gs) == 1 else gs[0] + gs[1]
+            total = gs[0]
+            for g in gs[1:]:
+                total = total + g
             p.grad = total / len(gs)
         optimizer.step()
         num_committed += 1
-    assert num_committed == max(by_t) - 2  # the step group 1 died in and the one it hung in were dropped
+    return num_committed
 
 
 def test_hung_group_is_dropped_after_its_timeout(drill):
@@ -250,6 +296,24 @@ def test_one_group_writes_checkpoints(drill):
     folder = drill["folder"] / "checkpoints"
     final = _steps(drill["g0"])[-1]["t"]
     assert (folder / "last").resolve().name.endswith(f"-ba{final}")
+
+
+def test_three_groups_one_killed_and_restarted(drill3):
+    assert drill3["exit"] == {"lighthouse": 0, "g0": 0, "g1": 0, "g2a": -signal.SIGKILL, "g2b": 0}, drill3["tails"]
+    folder = drill3["folder"]
+    logs = {name: _steps(_records(folder / f"{name}.out")) for name in ("g0", "g1", "g2a", "g2b")}
+    g0 = {r["t"]: r for r in logs["g0"]}
+    assert all(g0[t]["n"] == 3 and g0[t]["committed"] for t in range(1, DIE_AT))
+    assert g0[DIE_AT]["committed"] is False
+    back = logs["g2b"][0]["t"]
+    outage = [g0[t] for t in range(DIE_AT + 1, back)]
+    assert len(outage) >= 3 and all(r["n"] == 2 and r["committed"] for r in outage)
+    assert [r["t"] for r in logs["g1"]] == [r["t"] for r in logs["g0"]]  # group 1 stepped alongside
+    assert g0[back]["n"] == 3
+    saved = [torch.load(folder / f"final-g{g}.pt", weights_only=True) for g in range(3)]
+    for other in saved[1:]:
+        _assert_equal(saved[0], other)
+    assert _replay([r for log in logs.values() for r in log], 576, saved[0], rtol=1e-5) == saved[0]["t"] - 1
 
 
 def test_options_are_checked():

@@ -31,12 +31,14 @@ from torch import nn
 import kiln
 
 DUMP, ALONE = 3, 3
+GROUPS = int(os.environ.get("FT_GROUPS", "2"))  # 3: the kill-and-restart drill only, stopping at the dump
+SIZE = 512 if GROUPS == 2 else 576  # samples: 64 and 48 batches per group and epoch
 group, lighthouse, folder, life = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 die_at = int(sys.argv[5]) if len(sys.argv) > 5 and life == 1 else -1
 until = int(sys.argv[5]) if len(sys.argv) > 5 and life == 3 else 1000
 
 torch.manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(512, 4), torch.randn(512, 1))
+data = torch.utils.data.TensorDataset(torch.randn(SIZE, 4), torch.randn(SIZE, 1))
 model = nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
 
@@ -58,7 +60,7 @@ class Drill(kiln.Callback):
         if t == die_at:
             emit({"event": "die", "g": group, "t": die_at, "time": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
-        if group == 1 and self.dumped is not None and t == self.dumped + 1:
+        if GROUPS == 2 and group == 1 and self.dumped is not None and t == self.dumped + 1:
             # hung between its forward and the gradient allreduce, the others already in it
             emit({"event": "hang", "g": group, "t": t, "time": time.time()})
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -84,29 +86,31 @@ class Drill(kiln.Callback):
                 "num_committed": ft.num_committed,
             }
         )
-        self.outage = self.outage or n == 1
-        if self.together is None and self.outage and n == 2:
+        self.outage = self.outage or n < GROUPS
+        if self.together is None and self.outage and n == GROUPS:
             self.together = t
         if self.together is not None and t == self.together + DUMP:
             self.dumped = t
             saved = {"t": t, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
             torch.save(saved, folder / f"final-g{group}.pt")
             emit({"event": "dumped", "g": group, "t": t, "time": time.time()})
+            if GROUPS > 2:
+                state.stop_training()
         if self.dumped is not None and t > self.dumped:
             self.alone += n == 1 and committed
             if self.alone >= ALONE:
                 state.stop_training()
-        if n == 1 or self.dumped is not None:
+        if n < GROUPS or self.dumped is not None:
             time.sleep(0.05)  # a bounded number of steps while the test restarts or stops group 1
 
 
 # Group 0 reads its share of a DataLoader through kiln's sampler (num_replica_groups x 1 shares);
-# group 1, the one restarted, reads a list of batches: a loader that can only skip by fetching, so
-# its position must come from the live group before the loop starts iterating it.
+# the others, restarted ones among them, read lists of batches: a loader that can only skip by
+# fetching, so its position must come from a live group before the loop starts iterating it.
 if group == 0:
     loader = torch.utils.data.DataLoader(data, batch_size=4)
 else:
-    loader = [(data.tensors[0][i : i + 4], data.tensors[1][i : i + 4]) for i in range(4, 512, 8)]
+    loader = [(data.tensors[0][i : i + 4], data.tensors[1][i : i + 4]) for i in range(4 * group, SIZE, 4 * GROUPS)]
 trainer = kiln.Trainer(
     model,
     train_dataloader=loader,
@@ -123,7 +127,7 @@ trainer = kiln.Trainer(
     fault_tolerance={
         "lighthouse": lighthouse,
         "replica_group": group,
-        "num_replica_groups": 2,
+        "num_replica_groups": GROUPS,
         "timeout": 2,
         "quorum_timeout": 30,
         "connect_timeout": 10,
@@ -133,7 +137,7 @@ trainer = kiln.Trainer(
 emit({"event": "built", "g": group, "writes": trainer._saver is not None, "time": time.time()})
 if life == 1:
     (folder / f"ready-g{group}").touch()
-    while not (folder / f"ready-g{1 - group}").exists():
+    while not all((folder / f"ready-g{other}").exists() for other in range(GROUPS)):
         time.sleep(0.01)
 trainer.fit()
 emit({"event": "done", "g": group, "t": trainer.state.timestamp.batch.value, "time": time.time()})
