@@ -213,6 +213,16 @@ def test_restarted_group_heals_to_identical_state(drill):
     assert b["optimizer"]["state"]  # momentum buffers: there is optimizer state to compare
 
 
+def test_group_0_reads_its_share_of_the_data(drill):
+    # kiln's sampler deals the samples over num_replica_groups x 1 shares: group 0 reads every
+    # other one (group 1 reads the rest, from its list)
+    torch.manual_seed(0)
+    inputs = torch.randn(512, 4)
+    for r in _steps(drill["g0"]):
+        start = 8 * ((r["t"] - 1) % 64)
+        assert r["x"] == inputs[start : start + 8 : 2].tolist(), r["t"]
+
+
 def test_final_loss_equals_reference_of_committed_steps(drill):
     saved = torch.load(drill["folder"] / "final-g0.pt", weights_only=True)
     logs = [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"]), *_steps(drill["g1c"])]
