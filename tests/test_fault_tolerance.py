@@ -363,13 +363,16 @@ def test_yaml_key_reaches_the_trainer_and_is_checked(capsys, monkeypatch):
     assert err.count("\n") == 1 and "fault_tolerance has an unknown key 'min_replica'" in err
 
 
-def test_lighthouse_cli_refuses_bad_arguments(capsys):
+def test_lighthouse_cli_refuses_bad_arguments(capsys, monkeypatch):
     from kiln.cli.main import main
 
     assert main(["lighthouse", "--min-replicas", "0"]) == 2
     assert capsys.readouterr().err == "kiln lighthouse: --min-replicas 0 must be at least 1\n"
     assert main(["lighthouse", "--min-replicas", "1", "--bind", "nowhere"]) == 2
     assert "kiln lighthouse: cannot listen on 'nowhere'" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "torchft.coordination", None)  # as if torchft were not installed
+    assert main(["lighthouse", "--min-replicas", "1"]) == 2
+    assert capsys.readouterr().err == "kiln lighthouse: needs torchft: pip install 'kiln-train[ft]'\n"
 
 
 def _assert_equal(a, b) -> None:
