@@ -131,6 +131,20 @@ def test_import_kiln_imports_no_transformers():
     subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=120)
 
 
+def test_import_kiln_models_imports_no_torchmetrics_until_a_metric_is_made():
+    # torchmetrics imports transformers, scipy and matplotlib when they are installed (about 2 s
+    # here, more than torch): a MoE run or a dry run without evaluation never needs it
+    code = (
+        "import sys, kiln.models; from kiln.models import MoELlama, MoELlamaConfig; "
+        "assert 'torchmetrics' not in sys.modules, 'torchmetrics imported'; "
+        "metrics = MoELlama(MoELlamaConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2)).get_metrics(); "
+        "assert type(metrics['LanguagePerplexity']) is kiln.models.LanguagePerplexity; "
+        "assert 'torchmetrics' in sys.modules"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 # -- the tensor-parallel plan -----------------------------------------------------------------------
 def test_tp_plan_is_the_base_model_tp_plan_under_the_base_models_path():
     wrapped = make_model(num_hidden_layers=2)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.model import Model
-from kiln.models.huggingface import IGNORE_INDEX, LanguagePerplexity
+from kiln.models.huggingface import IGNORE_INDEX
 from kiln.models.moe import FeedForward, MoE, aux_loss
 
 __all__ = ["MoELlamaConfig", "MoELlama"]
@@ -248,6 +248,8 @@ class MoELlama(Model):
         return ce + aux_loss(self) if self.training else ce
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
+        from kiln.models.perplexity import LanguagePerplexity  # torchmetrics loads when a metric is made
+
         return {"LanguagePerplexity": LanguagePerplexity()}
 
     def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
