@@ -21,10 +21,11 @@ stage, with the attention and MLP Linears divided by ``tp``):
   keys and values, attention's bf16 inputs and output; the MLP's gate, activation, up and product.
   With every block checkpointed: ``t x h x rb`` per block plus one block recomputed. The first stage
   of a 1F1B pipeline holds ``min(pp, microbatches)`` microbatches; the last stage holds the logits
-  of one microbatch, ``t x vocab x 10`` bytes (bf16 logits, their fp32 copy and fp32 log-softmax).
-  Against kiln's dry run of Llama-3-8B (8192 tokens a microbatch), estimated / measured: 89.1 /
-  100.3 GiB without checkpointing (FSDP 8, amp_bf16), 14.9 / 16.1 GiB with it (FSDP 64 x TP 8), 11.3
-  / 10.1 GiB on the last stage of FSDP 32 x TP 8 x PP 2 (bf16): within 12%.
+  of one microbatch, ``t x vocab x 10`` bytes (bf16 logits, their fp32 copy and fp32 log-softmax),
+  and under ``amp_*`` in a pipeline ``t x vocab x 4`` more (the stage's output cast back to fp32).
+  Against kiln's dry run of Llama-3-8B (8192 tokens a microbatch, amp_bf16), estimated / measured:
+  89.1 / 100.3 GiB without checkpointing (FSDP 8), 14.9 / 16.1 GiB with it (FSDP 64 x TP 8), 16.8 /
+  19.1 GiB on the last stage of FSDP 32 x TP 8 x PP 2: 7 to 12% under.
 
 Cost of one optimizer step, in seconds: ``compute + communication + bubble``.
 
@@ -327,6 +328,10 @@ def _price(
     inflight = min(pp, m) if pp > 1 else 1
     logits = t * shape.vocab * _LOGITS_BYTES_PER_VOCAB
     act_first = inflight * layers * kept + recompute + (logits if pp == 1 else 0)
+    if pp > 1 and amp:
+        # the last stage's output, bf16 logits under autocast, cast back to the traced fp32 for the loss
+        # (kiln.parallel.pipeline_boundary): one more copy
+        logits += t * shape.vocab * rb
     act_last = layers * kept + recompute + logits
     activations = max(act_first, act_last) + gathered
     plan.memory = {
