@@ -248,3 +248,31 @@ def test_a_traced_stage_runs_the_models_casts_on_bf16():
     assert drop_cast_assertions(traced) == 1
     out = traced(x)
     assert out.dtype == torch.float32 and torch.equal(out, Norm()(x))
+
+
+def test_confirm_dry_runs_the_first_plan(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from kiln.cli.main import main
+
+    model = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    run = {
+        "micro_batch_size": 2,
+        "max_train_steps": 1,
+        "precision": "fp32",
+        "model": {"type": "kiln.models.HuggingFaceModel.from_config", "args": {"config": model}},
+        "optimizer": {"type": "torch.optim.AdamW", "args": {"lr": 1e-3}},
+        "dataset": {"type": "lm_data.StdlibText.from_stdlib", "train_args": {"seq_len": 32, "max_bytes": 5000}},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "-f", "run.yaml", "--world-size", "2", "--search", "--device", "cpu", "--memory", "1GiB"]
+    assert main([*args, "--json", "--confirm"]) == 0
+    searched, report = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert searched["seq_len"] == 32 and searched["global_batch"] == 4  # the first microbatch; 2 x 2 ranks
+    first = searched["plans"][0]
+    # the dry run ran the run file with the first plan's overrides
+    mesh = {"pp": first["pp"], "dp_shard": first["dp_shard"], "tp": first["tp"]}
+    assert {k: report["mesh"].get(k, 1) for k in mesh} == mesh and report["world_size"] == 2
+    assert report["activation_checkpointing"] == first["activation_checkpointing"]
