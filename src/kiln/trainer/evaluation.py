@@ -30,6 +30,7 @@ from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.launch.data import ShardSampler
 from kiln.trainer.evaluator import Evaluator, chosen_metrics, due_evaluators
+from kiln.trainer.loss_mean import LossMean
 
 if TYPE_CHECKING:
     from kiln.trainer.trainer import Trainer
@@ -43,8 +44,6 @@ def fresh_metrics(trainer: Trainer, label: str, evaluator: Evaluator | None = No
     state = trainer.state
     metrics = state.eval_metrics.get(label)
     if metrics is None:
-        from torchmetrics import MeanMetric  # imported here: torchmetrics is slow to import
-
         model = state.model
         if isinstance(model, Model):
             metrics = dict(model.get_metrics(is_train=False))
@@ -53,11 +52,7 @@ def fresh_metrics(trainer: Trainer, label: str, evaluator: Evaluator | None = No
         if evaluator is not None and evaluator.named:  # a named set: copies, never shared
             metrics = chosen_metrics(evaluator.label, evaluator.metrics, metrics)
         metrics = {name: m.to(state.device) for name, m in metrics.items()}
-        # The loss is averaged in float64 where the device has it: a long evaluation's float32
-        # running sum would drift from the one-process mean. MPS has no float64. set_dtype comes
-        # after .to(): torchmetrics' .to() resets the dtype that update() casts values to.
-        loss = MeanMetric().to(state.device)
-        metrics["loss"] = loss.set_dtype(torch.float64) if state.device.type != "mps" else loss
+        metrics["loss"] = LossMean(state.device)  # float64 sums; no torchmetrics import for the loss
         state.eval_metrics[label] = metrics
     for metric in metrics.values():
         metric.reset()
@@ -227,7 +222,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Run ``dataloader`` through the model in eval mode; returns ``{"<label>/loss": ..., "<label>/<Metric>": ...}``.
 
-    Metric states are summed across ranks by torchmetrics in ``compute()``, so every rank gets the
+    Metric states are summed across ranks in ``compute()`` (torchmetrics', and the loss's
+    :class:`~kiln.trainer.loss_mean.LossMean`), so every rank gets the
     same values, equal to a single-process evaluation of the same data. Padding forwards (see the
     module docstring) fire no event and update no metric. ``evaluator``: the named set being run,
     whose metrics are used.
