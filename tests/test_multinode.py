@@ -196,15 +196,20 @@ def _elastic_drill(tmp: Path, runs: dict[str, Path]) -> str:
     alone_reference = _kiln_run_started(
         SCRIPT, str(runs["reference"]), "--load", str(runs["elastic"] / "ckpt" / "ep0-ba4"), nproc=1
     )
+    # the world-size-2 reference: a single launcher of 2 processes resumed from the checkpoint the
+    # world-size-1 worker wrote when the agent stopped it to take the node in (a checkpoint's
+    # folder appears complete, renamed from a temporary one); started as soon as it is there
+    checkpoint = runs["elastic"] / "ckpt" / f"ep0-ba{HOLD_AT}"
+    while not checkpoint.exists():
+        assert staying.poll() is None and time.monotonic() < deadline, staying_log.read_text()[-4000:]
+        time.sleep(0.1)
+    rejoined_reference = _kiln_run_started(SCRIPT, str(runs["rejoined_reference"]), "--load", str(checkpoint), nproc=2)
     _wait([staying, dying, joining], 300, [staying_log, dying_log, tmp / "elastic-joining.log"])
     assert dying.returncode == -9
     assert staying.returncode == 0, staying_log.read_text()[-4000:]
     assert joining.returncode == 0, (tmp / "elastic-joining.log").read_text()[-4000:]
-    # the world-size-2 reference: a single launcher of 2 processes resumed from the checkpoint the
-    # world-size-1 worker wrote when the agent stopped it to take the node in
-    checkpoint = runs["elastic"] / "ckpt" / f"ep0-ba{HOLD_AT}"
-    check(kiln_run(SCRIPT, str(runs["rejoined_reference"]), "--load", str(checkpoint), nproc=2, timeout=240))
     check(_finished(alone_reference, 240))
+    check(_finished(rejoined_reference, 240))
     return staying_log.read_text()
 
 
