@@ -13,6 +13,11 @@ runs the script unchanged after arming what torchrun lacks:
   ranks that only lost their peer are said to, never blamed, and in a multi-node job the
   surviving node says which node went away. torch's own lines that the summary replaces
   (closing signals, "failed (exitcode ...)") are left out.
+* Preemption. SIGUSR1 (SLURM's warning ahead of a time limit) is passed on to the workers, which
+  torchrun does not do; workers that checkpointed and exited with the preemption status (75) are
+  said to have been preempted, and this process exits 75 too.
+* Elastic jobs (``--nnodes MIN:MAX``): fast rendezvous settings, a store per rendezvous round
+  (:func:`run`), and a line for each node that leaves or joins.
 """
 
 from __future__ import annotations
