@@ -7,13 +7,15 @@ Each batch appends its loss to OUT/steps.jsonl; the end appends the final weight
 ``--signal-after N`` the process sends itself SIGUSR1 at the end of batch N (what
 ``#SBATCH --signal=USR1@120`` delivers before the time limit): the Trainer checkpoints at the end
 of the batch, requeues the job through ``scontrol`` and exits 75. ``--signal-launcher``: the signal
-goes to the parent instead, the ``kiln run`` that ``srun`` started, which passes it on.
+goes to the parent instead, the ``kiln run`` that ``srun`` started, which passes it on (the batch
+waits for it to arrive).
 """
 
 import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -42,8 +44,28 @@ class Signal(kiln.Callback):
     def batch_end(self, state, logger):
         batch = state.timestamp.batch.value
         line(batch=batch, loss=state.loss.item())
-        if batch == opts.signal_after:
-            os.kill(os.getppid() if opts.signal_launcher else os.getpid(), signal.SIGUSR1)
+        if batch == opts.signal_after and opts.signal_launcher:
+            passed_on(signal.SIGUSR1)
+        elif batch == opts.signal_after:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def passed_on(signum):
+    """Signal the launcher and wait here until it has passed the signal on to this process, so the
+    checkpoint is taken at this batch (the launcher's handler runs within its 0.1 s monitor loop)."""
+    arrived = []
+    previous = signal.getsignal(signum)  # the Trainer's preemption handler
+
+    def note(received, frame):
+        arrived.append(received)
+        previous(received, frame)
+
+    signal.signal(signum, note)
+    os.kill(os.getppid(), signum)
+    deadline = time.monotonic() + 60
+    while not arrived and time.monotonic() < deadline:
+        time.sleep(0.01)
+    signal.signal(signum, previous)
 
 
 trainer = kiln.Trainer(
