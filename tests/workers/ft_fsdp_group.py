@@ -1,7 +1,8 @@
 """One replica group of tests/test_fault_tolerance_fsdp.py: two ranks under `kiln run -n 2`, a Trainer
-with strategy='fsdp' (FSDP2 over the group's ranks) joined to the other group by torchft.
+with STRATEGY inside the group (fsdp: FSDP2 over its ranks; tp: tensor parallel, the first Linear
+split by columns and the second by rows) joined to the other group by torchft.
 
-    kiln run -n 2 ft_fsdp_group.py GROUP LIGHTHOUSE DIR
+    kiln run -n 2 ft_fsdp_group.py GROUP LIGHTHOUSE DIR STRATEGY
 
 Float64 SGD for 6 steps on a fixed dataset; rank 0 writes the whole model (gathered from its shards)
 to DIR/final-g<GROUP>.pt, and each rank prints one JSON line of its step counts.
@@ -21,7 +22,8 @@ import kiln
 from kiln.parallel import full_model_state_dict
 
 STEPS, SAMPLES, BATCH = 6, 256, 4
-group, lighthouse, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+group, lighthouse, folder, name = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+strategy = kiln.parallel.TensorParallel({"0": "colwise", "2": "rowwise"}) if name == "tp" else name
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(
@@ -34,7 +36,7 @@ trainer = kiln.Trainer(
     criterion=nn.MSELoss(),
     optimizers=torch.optim.SGD(model.parameters(), lr=0.05),
     max_duration=f"{STEPS}ba",
-    strategy="fsdp",
+    strategy=strategy,
     progress_bar=False,
     seed=0,
     fault_tolerance={
