@@ -122,11 +122,13 @@ def _max_duration(args: TrainerArgs, steps_per_epoch: int | None) -> str:
     return f"{epochs}ep"  # epochs end first: keep the unit, so the last epoch's end events run
 
 
-def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int) -> tuple[Any, Any]:
+def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int, train_shares: tuple[int, int]) -> tuple[Any, Any]:
+    """The train and validation loaders; ``train_shares``: (shares, index) of the training data, which
+    is (dp, dp_rank) unless replica groups split it further (validation stays within the group)."""
     data, sampler_cfg, loader_cfg = args.dataset, args.dataset_sampler, args.dataloader
     micro, accum = args.micro_batch_size, args.grad_accumulation_steps or 1
 
-    def loader(stage: str, batch_size: int) -> Any:
+    def loader(stage: str, batch_size: int, num_replicas: int, rank: int) -> Any:
         dataset_args = getattr(data, f"{stage}_args")
         if stage != "train" and not dataset_args:
             return None  # as in nnScaler: no arguments, no validation dataset
@@ -140,8 +142,8 @@ def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int) -> tuple[Any, Any]:
                 sampler_cfg.type,
                 "dataset_sampler",
                 dataset=dataset,
-                num_replicas=dp,
-                rank=dp_rank,
+                num_replicas=num_replicas,
+                rank=rank,
                 **build_value(kwargs, f"dataset_sampler.{stage}_args"),
             )
         loader_args = getattr(loader_cfg, f"{stage}_args") or loader_cfg.train_args
@@ -151,7 +153,7 @@ def _dataloaders(args: TrainerArgs, dp: int, dp_rank: int) -> tuple[Any, Any]:
         return _make(loader_cfg.type, "dataloader", dataset=dataset, batch_size=batch_size, sampler=sampler, **kwargs)
 
     # one dataloader batch is one optimizer step; the Trainer splits it into micro-batches
-    return loader("train", micro * accum), loader("val", micro)
+    return loader("train", micro * accum, *train_shares), loader("val", micro, dp, dp_rank)
 
 
 def build_model(args: TrainerArgs) -> torch.nn.Module:
@@ -299,7 +301,15 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
             **build_value(args.lr_scheduler.args, "lr_scheduler.args"),
         )
     dp = args.data_parallel_size(ctx.world_size)
-    train_dl, val_dl = _dataloaders(args, dp, ctx.rank // cc.mesh_size)
+    dp_rank = ctx.rank // cc.mesh_size
+    train_shares = (dp, dp_rank)
+    if args.fault_tolerance is not None:  # each replica group trains on its own part of the data
+        from kiln.trainer.fault_tolerance import as_fault_tolerance
+
+        replicas = as_fault_tolerance(args.fault_tolerance)
+        assert replicas is not None
+        train_shares = replicas.data_shard(dp, dp_rank)
+    train_dl, val_dl = _dataloaders(args, dp, dp_rank, train_shares)
     loggers = [_make(log.type, f"log.{i}", **build_value(log.args, f"log.{i}.args")) for i, log in enumerate(args.log)]
 
     extra, hook_callback = _callbacks(args, (model, optimizer, scheduler), end_to_end, dp, ctx.world_size)

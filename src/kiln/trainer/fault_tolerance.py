@@ -125,6 +125,13 @@ class FaultTolerance:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"fault_tolerance.{name}={value!r} must be a positive number of seconds")
 
+    def data_shard(self, size: int, rank: int) -> tuple[int, int]:
+        """The share of the data that data-parallel rank ``rank`` of ``size`` in this group reads, across
+        every group: (number of shares, index). The Trainer's sampler and the config CLI's use it."""
+        groups, group = self.num_replica_groups, self.replica_group
+        assert groups is not None and group is not None  # __post_init__ set them
+        return size * groups, group * size + rank
+
 
 def as_fault_tolerance(value: FaultTolerance | Mapping[str, Any] | None) -> FaultTolerance | None:
     """The Trainer's ``fault_tolerance=``: None, a :class:`FaultTolerance`, or a dict of its fields."""
@@ -286,9 +293,7 @@ class ReplicaGroup(Callback):
 
     def data_shard(self, size: int, rank: int) -> tuple[int, int]:
         """This rank's share of the data across every group: (number of shares, index)."""
-        groups = self.options.num_replica_groups
-        assert groups is not None  # FaultTolerance set it
-        return size * groups, self.group * size + rank
+        return self.options.data_shard(size, rank)
 
 
 def _parameters(optimizer: Any) -> list[torch.Tensor]:

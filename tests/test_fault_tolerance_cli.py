@@ -1,0 +1,83 @@
+"""The config CLI under replica fault tolerance (issue 24, item 3: "and the YAML key"), end to end:
+`kiln lighthouse` and two replica groups, each `kiln train -f examples/mlp.yaml --nproc-per-node 2`
+with the `fault_tolerance.*` keys, in working directories of their own.
+
+Both groups commit every step and finish; only group 0 (save_group) writes checkpoints; and the
+groups train on different data: the config CLI's own sampler must split the data over the groups as
+the Trainer's does (it did not: both groups read the same half of the data, and their losses were
+equal at every step).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from distributed import ROOT, base_env, free_port
+
+pytest.importorskip("torchft")
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ft_cli")
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port)]
+        + ["--join-timeout", "5", "--heartbeat-timeout", "5", "--quorum-tick", "0.05"],
+        env=base_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {**base_env(), "PYTHONPATH": f"{ROOT}:{base_env()['PYTHONPATH']}"}  # the run file names examples.*
+    procs = []
+    try:
+        for group in range(2):
+            (folder / f"g{group}").mkdir()
+            cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / "mlp.yaml")]
+            cmd += ["--nproc-per-node", "2", "--max_train_steps", "4"]
+            cmd += [
+                "--fault_tolerance.lighthouse",
+                f"http://127.0.0.1:{port}",
+                "--fault_tolerance.hostname",
+                "127.0.0.1",
+            ]
+            cmd += ["--fault_tolerance.replica_group", str(group), "--fault_tolerance.num_replica_groups", "2"]
+            procs.append(
+                subprocess.Popen(
+                    cmd, cwd=folder / f"g{group}", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        done = [proc.communicate(timeout=300) for proc in procs]
+        yield folder, [(proc.returncode, out, err) for proc, (out, err) in zip(procs, done)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
+
+
+def _losses(out: str) -> dict[int, str]:
+    return {int(step): loss for step, loss in re.findall(r"step (\d+)/4 \(\d+%\)\s+loss (\S+)", out)}
+
+
+def test_both_groups_finish_and_only_group_0_writes_checkpoints(groups):
+    folder, results = groups
+    for group, (code, out, err) in enumerate(results):
+        assert code == 0, f"group {group}: exit {code}\n{err[-3000:]}"
+        assert re.search(r"done: step 4/4 \(100%\)", out), out[-2000:]
+    assert (folder / "g0" / "runs" / "mlp" / "checkpoints" / "last").exists()
+    assert not (folder / "g1" / "runs").exists()
+
+
+def test_the_groups_train_on_different_data(groups):
+    _, results = groups
+    g0, g1 = (_losses(out) for _, out, _ in results)
+    assert set(g0) == set(g1) and len(g0) >= 2, (g0, g1)
+    assert all(g0[step] != g1[step] for step in g0), f"the same losses in both groups: {g0} {g1}"
