@@ -96,6 +96,16 @@ def kiln_run(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start_lighthouse(min_replicas: int, heartbeat_timeout: float = 5) -> tuple[subprocess.Popen, str]:
+    """`kiln lighthouse` (torchft's) on a free port, quiet; returns the process and its address."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln.cli.main", "lighthouse", "--min-replicas", str(min_replicas)]
+    cmd += ["--port", str(port), "--join-timeout", "5", "--heartbeat-timeout", str(heartbeat_timeout)]
+    cmd += ["--quorum-tick", "0.05"]
+    proc = subprocess.Popen(cmd, env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def _descendants(root: int) -> list[int]:
     """``root`` and every process below it, parents first."""
     children: dict[int, list[int]] = {}

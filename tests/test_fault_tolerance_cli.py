@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from distributed import ROOT, base_env, free_port
+from distributed import ROOT, base_env, start_lighthouse
 
 pytest.importorskip("torchft")
 
@@ -25,14 +25,7 @@ pytest.importorskip("torchft")
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ft_cli")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port)]
-        + ["--join-timeout", "5", "--heartbeat-timeout", "5", "--quorum-tick", "0.05"],
-        env=base_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    lighthouse, address = start_lighthouse(min_replicas=2)
     env = {**base_env(), "PYTHONPATH": f"{ROOT}:{base_env()['PYTHONPATH']}"}  # the run file names examples.*
     procs = []
     try:
@@ -42,7 +35,7 @@ def groups(tmp_path_factory):
             cmd += ["--nproc-per-node", "2", "--max_train_steps", "4"]
             cmd += [
                 "--fault_tolerance.lighthouse",
-                f"http://127.0.0.1:{port}",
+                address,
                 "--fault_tolerance.hostname",
                 "127.0.0.1",
             ]

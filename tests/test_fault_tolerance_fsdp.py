@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, base_env, free_port
+from distributed import WORKERS, base_env, free_port, start_lighthouse
 
 pytest.importorskip("torchft")
 
@@ -31,19 +31,12 @@ SHARES = {"fsdp": 4, "tp": 2}  # the data's shares: 2 groups x the data-parallel
 def groups(request, tmp_path_factory):
     strategy = request.param
     folder = tmp_path_factory.mktemp(f"ft_{strategy}")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port)]
-        + ["--join-timeout", "5", "--heartbeat-timeout", "5", "--quorum-tick", "0.05"],
-        env=base_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    lighthouse, address = start_lighthouse(min_replicas=2)
     procs = []
     try:
         for group in range(2):
             cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", "--master-port", str(free_port())]
-            cmd += [str(WORKERS / "ft_fsdp_group.py"), str(group), f"http://127.0.0.1:{port}", str(folder), strategy]
+            cmd += [str(WORKERS / "ft_fsdp_group.py"), str(group), address, str(folder), strategy]
             procs.append(
                 subprocess.Popen(cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
