@@ -160,6 +160,9 @@ class ReplicaGroup(Callback):
     """
 
     def __init__(self, options: FaultTolerance, state: State, engine: Engine) -> None:
+        # torchft's Rust manager logs several INFO lines a step (quorum, should_commit) to stderr,
+        # which bury kiln's progress lines in a log file: warnings only, unless RUST_LOG says otherwise.
+        os.environ.setdefault("RUST_LOG", "warn")
         try:
             from torchft import Manager, ProcessGroupGloo
         except ModuleNotFoundError as exc:
