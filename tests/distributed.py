@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.launch.environments import SLURM_PORT_BASE, SLURM_PORT_SPAN
@@ -96,14 +99,26 @@ def kiln_run(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def start_lighthouse(min_replicas: int, heartbeat_timeout: float = 5) -> tuple[subprocess.Popen, str]:
-    """`kiln lighthouse` (torchft's) on a free port, quiet; returns the process and its address."""
+@contextlib.contextmanager
+def lighthouse_job(min_replicas: int, heartbeat_timeout: float = 5) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """`kiln lighthouse` (torchft's) on a free port, quiet, for a job of replica groups: yields its
+    address and a list for the groups' processes; at the end, kills the groups still running and
+    stops the lighthouse."""
     port = free_port()
     cmd = [sys.executable, "-m", "kiln.cli.main", "lighthouse", "--min-replicas", str(min_replicas)]
     cmd += ["--port", str(port), "--join-timeout", "5", "--heartbeat-timeout", str(heartbeat_timeout)]
     cmd += ["--quorum-tick", "0.05"]
-    proc = subprocess.Popen(cmd, env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
+    lighthouse = subprocess.Popen(cmd, env=base_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    groups: list[subprocess.Popen] = []
+    try:
+        yield f"http://127.0.0.1:{port}", groups
+    finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=30)
 
 
 def _descendants(root: int) -> list[int]:

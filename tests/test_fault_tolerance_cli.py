@@ -12,13 +12,12 @@ equal at every step).
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from distributed import ROOT, base_env, start_lighthouse
+from distributed import ROOT, base_env, lighthouse_job
 
 pytest.importorskip("torchft")
 
@@ -26,10 +25,8 @@ pytest.importorskip("torchft")
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ft_cli")
-    lighthouse, address = start_lighthouse(min_replicas=2)
     env = {**base_env(), "PYTHONPATH": f"{ROOT}:{base_env()['PYTHONPATH']}"}  # the run file names examples.*
-    procs = []
-    try:
+    with lighthouse_job(min_replicas=2) as (address, procs):
         for group in range(2):
             (folder / f"g{group}").mkdir()
             cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / "mlp.yaml")]
@@ -48,13 +45,6 @@ def groups(tmp_path_factory):
             )
         done = [proc.communicate(timeout=300) for proc in procs]
         yield folder, [(proc.returncode, out, err) for proc, (out, err) in zip(procs, done)]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=30)
 
 
 def _losses(out: str) -> dict[int, str]:

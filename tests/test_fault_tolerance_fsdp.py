@@ -11,7 +11,6 @@ all ranks read, within 1e-12 (float64 SGD; measured 2.8e-17 for FSDP). Averaging
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, base_env, free_port, start_lighthouse
+from distributed import WORKERS, base_env, free_port, lighthouse_job
 
 pytest.importorskip("torchft")
 
@@ -31,9 +30,7 @@ SHARES = {"fsdp": 4, "tp": 2}  # the data's shares: 2 groups x the data-parallel
 def groups(request, tmp_path_factory):
     strategy = request.param
     folder = tmp_path_factory.mktemp(f"ft_{strategy}")
-    lighthouse, address = start_lighthouse(min_replicas=2)
-    procs = []
-    try:
+    with lighthouse_job(min_replicas=2) as (address, procs):
         for group in range(2):
             cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", "--master-port", str(free_port())]
             cmd += [str(WORKERS / "ft_fsdp_group.py"), str(group), address, str(folder), strategy]
@@ -45,13 +42,6 @@ def groups(request, tmp_path_factory):
             assert proc.returncode == 0, err[-4000:]
         records = [json.loads(line) for out, _ in done for line in out.splitlines() if line.startswith("{")]
         yield folder, records, strategy
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=30)
 
 
 def _one_process(shares: int) -> dict[str, torch.Tensor]:
