@@ -3,8 +3,8 @@
 The real side (tests/workers/plan_vs_real_worker.py) trains each configuration through the Trainer
 ``kiln train`` builds and measures it without the dry run's machinery: the storages of parameters,
 gradients and optimizer state; the CPU allocator's peak in the forwards and backwards (torch.profiler's
-allocation records, the least of three steps: gloo frees the buffers it holds on its own thread, so
-a step's peak varies by a few of them); the bytes of every collective, counted by wrappers around the
+allocation records, the least of three steps; a collective's own copies count as freed when it
+returns, since gloo frees them on its own thread, unrecorded and late on a busy machine); the bytes of every collective, counted by wrappers around the
 functions of ``torch.distributed`` and ``torch.distributed._functional_collectives``. The dry run
 must give the same bytes exactly, activations within 10%, and a configuration error's message.
 """
