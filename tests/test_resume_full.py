@@ -5,10 +5,13 @@ augments with python's, numpy's and torch's RNGs (tests/workers/resume_trainer.p
 
 One run dies mid-epoch (resumes from the checkpoint after batch 3 of epoch 0), the resumed run dies
 again just after an epoch boundary (resumes from the checkpoint at the end of epoch 1), and the third
-launch finishes. Every batch each launch trained on must have the uninterrupted run's loss and
-augmented input, and the end state (model, optimizer, scheduler, timestamp, RNG states) must match.
-The same holds with ``DataLoader(num_workers=2)``, whose workers draw the augmentation (on 1 rank,
-and on 2 under zero2).
+run finishes. Every batch each run trained on must have the uninterrupted run's loss and augmented
+input, and the end state (model, optimizer, scheduler, timestamp, RNG states) must match. The same
+holds with ``DataLoader(num_workers=2)``, whose workers draw the augmentation (on 1 rank, and on 2
+under zero2).
+
+Each kill ends a launch, and each resume starts in a new one; the runs that do not die (the
+references, the final resumes) ride along in the launch of a run that does, before it.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from distributed import WORKERS, base_env, check, kiln_run
 RUN = WORKERS / "resume_trainer.py"
 
 
-def _launch(out, *args, nproc=2):
+def _launch(argv, nproc):
     if nproc == 1:
         return subprocess.run(
-            [sys.executable, str(RUN), str(out), *args], env=base_env(), capture_output=True, text=True, timeout=600
+            [sys.executable, str(RUN), *argv], env=base_env(), capture_output=True, text=True, timeout=600
         )
-    return kiln_run(RUN, str(out), *args, nproc=nproc, timeout=600)
+    return kiln_run(RUN, *argv, nproc=nproc, timeout=600)
 
 
 def assert_equal(a, b, where):
@@ -48,19 +51,46 @@ def assert_equal(a, b, where):
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _crash_and_resume(out, args, nproc, kills):
-    """Launch, dying after each batch in ``kills`` in turn (autoresuming from the second launch on),
-    then finish; returns the checkpoint each resume started from."""
-    resumed_from = []
+def _chain(root, args, kills):
+    """The runs of one scenario, in order: the uninterrupted reference (``root/full``), then a run
+    that dies after each batch in ``kills`` in turn (autoresuming from the second on) and one that
+    finishes (``root/crash``). Each run is (out, argv, dies)."""
+    runs = [(root / "full", [str(root / "full"), *args, "--tag", "run"], False)]
     for attempt, die_after in enumerate([*kills, 0]):
-        extra = ["--tag", f"attempt{attempt}"] + (["--autoresume"] if attempt else [])
-        if attempt:
-            resumed_from.append((out / "ckpt/last").resolve().name)
-        if die_after:
-            died = _launch(out, *args, *extra, "--die-after", str(die_after), nproc=nproc)
-            assert died.returncode != 0, died.stderr[-3000:]
+        argv = [str(root / "crash"), *args, "--tag", f"attempt{attempt}"] + (["--autoresume"] if attempt else [])
+        runs.append((root / "crash", argv + (["--die-after", str(die_after)] if die_after else []), bool(die_after)))
+    return runs
+
+
+def _run_chains(chains, nproc):
+    """Train the runs of every chain (name: runs), each chain's in its order, in as few launches as
+    the kills allow: a launch trains the runs at the heads of the chains that finish, then at most
+    one run that dies (its os._exit ends the launch's processes). Each run starts from
+    seed_everything(0) and a new Trainer; a resumed run only starts in a launch after the one its
+    chain's last run died in, so it reads what a killed process left on disk. Returns, per chain,
+    the checkpoint each autoresumed run started from."""
+    todo = {name: list(runs) for name, runs in chains.items()}
+    resumed_from = {name: [] for name in chains}
+    while any(todo.values()):
+        launch = []
+        for name, runs in todo.items():
+            while runs and not runs[0][2]:
+                launch.append((name, runs.pop(0)))
+        dying = next((name for name, runs in todo.items() if runs), None)
+        if dying is not None:
+            launch.append((dying, todo[dying].pop(0)))
+        for name, (out, argv, _) in launch:
+            out.mkdir(parents=True, exist_ok=True)
+            if "--autoresume" in argv:
+                resumed_from[name].append((out / "ckpt/last").resolve().name)
+        argv = [arg for i, (_, (_, run, _)) in enumerate(launch) for arg in (["--then"] if i else []) + run]
+        result = _launch(argv, nproc)
+        if launch[-1][1][2]:
+            assert result.returncode != 0, result.stderr[-3000:]
+            for _, (out, _, _) in launch[:-1]:  # the runs before the one that died finished
+                assert (out / "final_rank0.pt").exists(), f"{out} did not finish:\n{result.stderr[-3000:]}"
         else:
-            check(_launch(out, *args, *extra, nproc=nproc))
+            check(result)
     return resumed_from
 
 
@@ -80,16 +110,30 @@ def _assert_resumed_exactly(full, crashed, num_batches, nproc, attempts):
         assert_equal(y, x, f"rank {rank} final")
 
 
-@pytest.mark.timeout(900)  # four 2-rank launches
+# The two 2-rank scenarios: DDP, and ZeRO-2 with loader workers drawing the augmentation.
+SCENARIOS = {
+    "ddp": ("--strategy", "ddp", "--workers", "0"),
+    "zero2-workers": ("--strategy", "zero2", "--workers", "2"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_chains(tmp_path_factory):
+    """Both 2-rank scenarios' runs (killed after batches 4 and 13), in 5 launches rather than 8:
+    the references and the runs that finish share the launches of runs that die."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    chains = {name: _chain(root / name, args, kills=[4, 13]) for name, args in SCENARIOS.items()}
+    return root, _run_chains(chains, nproc=2)
+
+
+@pytest.mark.timeout(900)  # five 2-rank launches, for both scenarios
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("strategy, workers", [("ddp", "0"), ("zero2", "2")], ids=["ddp", "zero2-workers"])
-def test_two_ranks_killed_mid_epoch_and_at_epoch_boundary_resume_bit_exact(tmp_path, strategy, workers):
-    args = ("--strategy", strategy, "--workers", workers)
-    check(_launch(tmp_path / "full", *args, "--tag", "run"))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_ranks_killed_mid_epoch_and_at_epoch_boundary_resume_bit_exact(two_rank_chains, scenario):
+    root, resumed_from = two_rank_chains
     # 96 samples / (8 per batch * 2 ranks) = 6 batches per epoch; checkpoints at ba3, ba6, ba9, ...
-    resumed_from = _crash_and_resume(tmp_path / "crash", args, 2, kills=[4, 13])
-    assert resumed_from == ["ep0-ba3", "ep2-ba12"]  # mid-epoch, then an epoch boundary
-    _assert_resumed_exactly(tmp_path / "full", tmp_path / "crash", 18, 2, attempts=3)
+    assert resumed_from[scenario] == ["ep0-ba3", "ep2-ba12"]  # mid-epoch, then an epoch boundary
+    _assert_resumed_exactly(root / scenario / "full", root / scenario / "crash", 18, 2, attempts=3)
 
 
 @pytest.mark.timeout(600)
@@ -97,8 +141,7 @@ def test_dataloader_workers_resume_bit_exact(tmp_path):
     # The augmentation runs in 2 loader workers: a resume must give each batch the RNG streams it
     # had in the uninterrupted run, whichever worker fetches it and whatever it fetched before.
     args = ("--workers", "2", "--epochs", "2")
-    check(_launch(tmp_path / "full", *args, "--tag", "run", nproc=1))
-    resumed_from = _crash_and_resume(tmp_path / "crash", args, 1, kills=[6])
+    resumed_from = _run_chains({"workers": _chain(tmp_path, args, kills=[6])}, nproc=1)["workers"]
     assert resumed_from == ["ep0-ba3"]
     _assert_resumed_exactly(tmp_path / "full", tmp_path / "crash", 24, 1, attempts=2)
 
