@@ -23,17 +23,20 @@ gradients, off by 4.1e-3).
 Resharding (workers/moe_reshard_worker.py): the Trainer saves a sharded checkpoint under EP 2 on
 2 ranks (AdamW, 2 batches); loaded on 1 process (single) and on 4 ranks (EP 4), weights and AdamW
 state equal the saved ones exactly, and one more batch on each gives the same weights within TOL.
+The save and the EP 4 load run at the end of the 2-rank and 4-rank parity launches.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import types
 
 import pytest
 import torch
 
-from distributed import ROOT, WORKERS, check, kiln_run
+from distributed import ROOT, WORKERS, base_env, check, kiln_run
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
 from kiln.parallel import Hybrid, ParallelDims
@@ -44,20 +47,28 @@ TWO_RANKS = ["ep2:plain", "ep2:bias", "ep2:clip", "ep2_broken_combine:plain"]
 FOUR_RANKS = ["ep2_fsdp2:plain", "ep2_fsdp2:clip", "ep2_tp2:plain", "ep2_hsdp:plain"]
 
 
-def _launch(tmp_path_factory, nproc, cases):
+def _launch(tmp_path_factory, nproc, cases, reshard):
     out = tmp_path_factory.mktemp(f"moe_parity{nproc}")
-    check(kiln_run(WORKERS / "moe_parity_worker.py", str(out), *cases, nproc=nproc, timeout=300))
+    check(kiln_run(WORKERS / "moe_parity_worker.py", str(out), *cases, "--reshard", *reshard, nproc=nproc, timeout=300))
     return json.loads((out / "moe_parity.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, TWO_RANKS)
+def reshard(tmp_path_factory):
+    """The resharding test's folder: the 2-rank launch saves its checkpoint there, the 4-rank one loads it."""
+    return tmp_path_factory.mktemp("moe_reshard")
+
+
+# The resharding test's EP 2 save and EP 4 load run in the parity launches of the same sizes (after
+# their cases, in the same process group): two launches where there were four.
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, reshard):
+    return _launch(tmp_path_factory, 2, TWO_RANKS, [str(reshard), "save", "2"])
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, FOUR_RANKS)
+def four_ranks(tmp_path_factory, reshard, two_ranks):
+    return _launch(tmp_path_factory, 4, FOUR_RANKS, [str(reshard), "load", "4"])
 
 
 def _failures(r):
@@ -102,21 +113,21 @@ def test_a_doubled_combine_fails_the_parity_check(two_ranks):
 
 
 @pytest.mark.world_size(4)
-def test_checkpoints_load_across_expert_parallel_sizes(tmp_path):
-    worker = WORKERS / "moe_reshard_worker.py"
-    check(kiln_run(worker, str(tmp_path), "save", "2", nproc=2, timeout=300))
-    check(kiln_run(worker, str(tmp_path), "load", "1", nproc=1, timeout=300))
-    check(kiln_run(worker, str(tmp_path), "load", "4", nproc=4, timeout=300))
+def test_checkpoints_load_across_expert_parallel_sizes(reshard, four_ranks):
+    # saved under EP 2 and loaded under EP 4 by the parity launches; on one process here: a world of
+    # 1 has no process group and no launcher (kiln run -n 1 would only add the launcher's process)
+    worker = [sys.executable, str(WORKERS / "moe_reshard_worker.py"), str(reshard), "load", "1"]
+    check(subprocess.run(worker, env=base_env(), capture_output=True, text=True, timeout=300))
     for world in (1, 4):
-        report = json.loads((tmp_path / f"loaded_{world}.json").read_text())
+        report = json.loads((reshard / f"loaded_{world}.json").read_text())
         assert report["batch"] == 2, report
         for key in ("weights", "optimizer"):
             assert not report[f"{key}_missing"] and not report[f"{key}_extra"], report
             assert report[f"{key}_abs"] == 0.0, (world, key, report[f"{key}_abs"])
         assert report["weights_count"] == 23 and report["optimizer_count"] == 3 * 23  # step, exp_avg, exp_avg_sq
         assert len(report["expert_keys"]) == 6  # 2 layers x w1, w2, w3, each whole (num_experts, ...)
-    one, four = (torch.load(tmp_path / f"final_{w}.pt", weights_only=True) for w in (1, 4))
-    saved = torch.load(tmp_path / "saved.pt", weights_only=True)["weights"]
+    one, four = (torch.load(reshard / f"final_{w}.pt", weights_only=True) for w in (1, 4))
+    saved = torch.load(reshard / "saved.pt", weights_only=True)["weights"]
     assert max((one[k] - four[k]).abs().max().item() for k in one) < TOL
     assert max((one[k] - saved[k]).abs().max().item() for k in one) > 1e6 * TOL  # the extra step moved them
 

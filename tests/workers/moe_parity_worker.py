@@ -1,7 +1,9 @@
 """Expert parallelism against one process: a tiny MoELlama, float64, plain SGD, 3 steps.
 
-Usage: moe_parity_worker.py OUT CASE:VARIANT ... Rank 0 writes OUT/moe_parity.json:
-{"CASE:VARIANT": {...}}. Every rank computes the one-process reference itself with a plain torch
+Usage: moe_parity_worker.py OUT CASE:VARIANT ... [--reshard DIR save|load EP]. Rank 0 writes
+OUT/moe_parity.json: {"CASE:VARIANT": {...}}. With ``--reshard``, the same process group then runs
+moe_reshard_worker.py's save or load in DIR (one launch for both: each rank's torch import and
+process group start are most of a small case's cost). Every rank computes the one-process reference itself with a plain torch
 loop on the whole global batch (no Engine, no strategy: the MoE layers' local path), then trains
 the case's strategy through the Engine on its data-parallel share and compares
 
@@ -165,7 +167,10 @@ def _break_combine():
 
 
 def main():
-    out, cases = sys.argv[1], sys.argv[2:]
+    out, cases, reshard = sys.argv[1], sys.argv[2:], None
+    if "--reshard" in cases:
+        at = cases.index("--reshard")
+        cases, reshard = cases[:at], cases[at + 1 :]
     ctx = kiln.launch_from_torch(seed=0)
     results = {}
     refs = {}
@@ -184,6 +189,11 @@ def main():
     if ctx.rank == 0:
         with open(os.path.join(out, "moe_parity.json"), "w") as f:
             json.dump(results, f, indent=1)
+    if reshard is not None:
+        from moe_reshard_worker import run
+
+        folder, mode, ep = reshard
+        run(folder, mode, int(ep), ctx)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,8 @@
 """A MoE checkpoint saved under one expert-parallel size, loaded under others (DCP resharding).
 
-Usage: moe_reshard_worker.py OUT save|load EP. The Trainer trains kiln.models.MoELlama (float64,
+Usage: moe_reshard_worker.py OUT save|load EP, or ``run(OUT, MODE, EP, ctx)`` from another worker
+already in its process group (moe_parity_worker.py: the parity cases and this in one launch). The
+Trainer trains kiln.models.MoELlama (float64,
 AdamW, aux loss) on ``WORLD_SIZE`` ranks with ``Hybrid(ep=EP)`` (EP 1 on one rank: ``single``).
 
 * ``save``: 2 batches, then ``trainer.save_checkpoint(OUT/ckpt)`` (sharded: DCP); rank 0 writes
@@ -56,9 +58,7 @@ def _plain(state):
     return out
 
 
-def main():
-    out, mode, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ctx = kiln.launch_from_torch(seed=0) if "RANK" in os.environ else kiln.launch(seed=0)
+def run(out, mode, ep, ctx):
     model = make_model(0 if mode == "save" else 7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     world = ctx.world_size
@@ -103,6 +103,12 @@ def main():
             torch.save(final, os.path.join(out, f"final_{world}.pt"))
     if dist.is_initialized():
         dist.barrier()
+
+
+def main():
+    out, mode, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ctx = kiln.launch_from_torch(seed=0) if "RANK" in os.environ else kiln.launch(seed=0)
+    run(out, mode, ep, ctx)
 
 
 if __name__ == "__main__":
