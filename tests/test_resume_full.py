@@ -102,7 +102,7 @@ def _assert_resumed_exactly(full, crashed, num_batches, nproc, attempts):
         for attempt in range(attempts):
             batches = torch.load(crashed / f"batches_attempt{attempt}_rank{rank}.pt", weights_only=True)
             for batch, record in batches.items():
-                assert_equal(record, reference[batch], f"rank {rank}, launch {attempt}, batch {batch}")
+                assert_equal(record, reference[batch], f"rank {rank}, attempt {attempt}, batch {batch}")
             seen |= set(batches)
         assert seen == set(reference), f"rank {rank}: batches {sorted(set(reference) - seen)} never trained"
         x, y = (torch.load(d / f"final_rank{rank}.pt", weights_only=True) for d in (full, crashed))
