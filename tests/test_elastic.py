@@ -12,9 +12,12 @@ def test_elastic_restart_resumes_from_last_with_identical_weights(tmp_path):
     plain, crashed = tmp_path / "plain", tmp_path / "crashed"
     plain.mkdir()
     crashed.mkdir()
-    check(kiln_run(WORKERS / "elastic_trainer.py", str(plain), "none", timeout=240))
-    check(kiln_run(WORKERS / "elastic_trainer.py", str(crashed), "crash", extra=["--max-restarts", "1"], timeout=240))
+    # one launch: its first attempt trains the uninterrupted reference in `plain`, then the run that
+    # crashes; the restarted attempt resumes that run only
+    worker = WORKERS / "elastic_trainer.py"
+    check(kiln_run(worker, str(crashed), "crash", str(plain), extra=["--max-restarts", "1"], timeout=240))
     ref = json.loads((plain / "rank0.json").read_text())
+    assert ref["attempt"] == 0 and ref["start"] == 0  # the reference ran whole, before the crash
     for rank in range(2):
         got = json.loads((crashed / f"rank{rank}.json").read_text())
         assert got["attempt"] == 1 and got["start"] == 4  # restarted once, from the checkpoint at batch 4
