@@ -1,4 +1,4 @@
-"""A two-rank job that trains a few DDP steps and ends, for the clean-exit tests.
+"""A job of 2 or more ranks that trains a few DDP steps and ends, for the clean-exit tests.
 
 Usage: exit_worker.py [FAIL_RANK | destroy]. The script returns right after its last backward, the moment
 at which torch 2.13's gloo threads can still be waiting for the GIL (see kiln/launch/teardown.py).
