@@ -1,10 +1,44 @@
-"""The examples are the main jobs: each runs on 2 real processes and reaches >= 95% on digits."""
+"""The examples are the main jobs: each runs on 2 real processes and reaches >= 95% on digits.
+
+The walkthroughs run one after another in ONE `kiln run -n 2` job (tests/workers/examples_worker.py:
+each script's ``main`` as its own launch would run it, from a working directory of its own, its
+output kept per rank): the torch import, the process group and DDP's first construction are paid
+once, not once per example.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import pytest
 
-from distributed import ROOT, check, kiln_run
+from distributed import ROOT, WORKERS, check
+
+sys.path.insert(0, str(WORKERS))
+from examples_worker import one_job  # noqa: E402
+
+EXAMPLES = ROOT / "examples"
+# The CIFAR-10 walkthrough at a test's size: 64 images, 2 epochs of 2 steps of 8
+CIFAR_ARGS = ["--epochs", "2", "--batch-size", "8", "--max-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """The one job that runs every walkthrough; a function of an example's name that gives both
+    ranks' stdout, as its own `kiln run -n 2 examples/<name>.py` would print it. An example whose
+    optional package is missing is left out (its test skips, as before)."""
+    out = tmp_path_factory.mktemp("examples")
+    scripts = [{"name": n, "path": str(EXAMPLES / f"{n}.py")} for n in ("engine_digits", "trainer_digits")]
+    if importlib.util.find_spec("torchmetrics") is not None:
+        scripts.append({"name": "composer_style", "path": str(EXAMPLES / "composer_style.py")})
+    if importlib.util.find_spec("transformers") is not None:  # last: it is the one that may not import
+        _write_cifar(out / "cifar", train=64, test=16)
+        argv = ["--data", str(out / "cifar"), *CIFAR_ARGS]
+        scripts.append({"name": "cifar10_resnet", "path": str(EXAMPLES / "cifar10_resnet.py"), "argv": argv})
+    job, result = one_job(out, scripts, timeout=600)
+    yield lambda name: result(name)[1]
+    check(job)  # every example returned; the job must also exit 0 (its teardown, as each example's own launch)
 
 
 def _final_accuracy(stdout: str) -> float:
@@ -12,18 +46,25 @@ def _final_accuracy(stdout: str) -> float:
     return float(line.split("final test accuracy:")[1].split()[0])
 
 
-def test_engine_walkthrough_two_processes():
-    result = check(kiln_run(ROOT / "examples" / "engine_digits.py", timeout=300))
-    assert "Epoch 0 - train loss" in result.stdout
-    assert result.stdout.count("final test accuracy") == 1  # rank 0 only
-    assert _final_accuracy(result.stdout) >= 0.95
+def test_engine_walkthrough_two_processes(examples):
+    stdout = examples("engine_digits")
+    assert "Epoch 0 - train loss" in stdout
+    assert stdout.count("final test accuracy") == 1  # rank 0 only
+    assert _final_accuracy(stdout) >= 0.95
 
 
-def test_composer_style_two_processes():
+def test_trainer_walkthrough_on_two_processes_reaches_95_percent(examples):
+    # Colossal-AI's Trainer and hooks (tests/test_hooks.py) in the walkthrough, on 2 processes
+    stdout = examples("trainer_digits")
+    line = [l for l in stdout.splitlines() if "final test accuracy" in l][-1]
+    assert float(line.rsplit(":", 1)[1]) >= 0.95, line
+
+
+def test_composer_style_two_processes(examples):
     pytest.importorskip("torchmetrics")
-    result = check(kiln_run(ROOT / "examples" / "composer_style.py", timeout=300))
-    assert result.stdout.count("final test accuracy") == 1
-    assert _final_accuracy(result.stdout) >= 0.95
+    stdout = examples("composer_style")
+    assert stdout.count("final test accuracy") == 1
+    assert _final_accuracy(stdout) >= 0.95
 
 
 def _write_cifar(folder, train: int, test: int) -> None:
@@ -43,26 +84,12 @@ def _write_cifar(folder, train: int, test: int) -> None:
             pickle.dump({b"data": data, b"labels": labels.tolist()}, f)
 
 
-def test_cifar10_resnet34_walkthrough_two_processes(tmp_path):
+def test_cifar10_resnet34_walkthrough_two_processes(examples):
     # torchvision does not import beside this torch build: the example's transformers path runs
     pytest.importorskip("transformers")
-    _write_cifar(tmp_path, train=64, test=16)
-    result = check(
-        kiln_run(
-            ROOT / "examples" / "cifar10_resnet.py",
-            "--data",
-            str(tmp_path),
-            "--epochs",
-            "2",
-            "--batch-size",
-            "8",
-            "--max-steps",
-            "2",
-            timeout=300,
-        )
-    )
-    assert "ResNet-34 (transformers) on 64 CIFAR-10 images, 2 process(es)" in result.stdout
-    assert result.stdout.count("Epoch 1 - train loss") == 1  # two epochs, logged on rank 0
+    stdout = examples("cifar10_resnet")
+    assert "ResNet-34 (transformers) on 64 CIFAR-10 images, 2 process(es)" in stdout
+    assert stdout.count("Epoch 1 - train loss") == 1  # two epochs, logged on rank 0
 
 
 def test_cifar10_reader_refuses_a_pickle_that_is_not_cifar_data(tmp_path):
