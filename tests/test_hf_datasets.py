@@ -88,11 +88,15 @@ def test_a_rank_share_resumes_exactly_in_this_process(tmp_path):
 
 
 # -- end to end on 2 ranks -----------------------------------------------------------------------
-def _start(out, tag, port, *args) -> list[subprocess.Popen]:
-    """The 2 ranks, started directly (no torchrun agent to import torch too); a SIGKILL at the same
-    batch start on both needs no agent to end the other rank."""
-    _write_text(out / "text")
-    cmd = [sys.executable, str(RUN), str(out), "--data", "hf", "--epochs", "1", "--save-at", "2", "--tag", tag, *args]
+def _start(port, *runs) -> list[subprocess.Popen]:
+    """The 2 ranks, started directly (no torchrun agent to import torch too), training ``runs``
+    (each ``(out, tag, *args)``) one after another; a SIGKILL at the same batch start on both needs
+    no agent to end the other rank. Their output goes to the last run's ``log_<tag>_rank<r>.txt``."""
+    cmd = [sys.executable, str(RUN)]
+    for i, (out, tag, *args) in enumerate(runs):
+        _write_text(out / "text")
+        cmd += [*(["--then"] if i else []), str(out), "--data", "hf", "--epochs", "1", "--save-at", "2"]
+        cmd += ["--tag", tag, *args]
     procs = []
     for rank in range(2):
         env = {**base_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
@@ -127,12 +131,14 @@ def _fetched(out, tag, rank) -> list[int]:
 
 
 def test_a_streaming_text_dataset_killed_mid_epoch_resumes_exactly_on_two_ranks(tmp_path):
-    # the uninterrupted run, and beside it one that saves after batch 2 and is SIGKILLed as batch 5 starts
+    # the uninterrupted run, then in the same processes one that saves after batch 2 and is
+    # SIGKILLed as batch 5 starts
     full_out, out = tmp_path / "full", tmp_path / "run"
-    codes = _wait([*_start(full_out, "full", free_port()), *_start(out, "a0", free_port(), "--kill-at", "4")])
-    assert codes[:2] == [0, 0], _logs(full_out, "full")
-    assert codes[2:] == [-signal.SIGKILL] * 2, _logs(out, "a0")
-    assert _wait(_start(out, "a1", free_port(), "--autoresume")) == [0, 0], _logs(out, "a1")
+    codes = _wait(_start(free_port(), (full_out, "full"), (out, "a0", "--kill-at", "4")))
+    assert codes == [-signal.SIGKILL] * 2, _logs(out, "a0")
+    missing = [r for r in range(2) if not (full_out / f"final_full_rank{r}.pt").exists()]
+    assert not missing, f"the uninterrupted run did not finish on ranks {missing}:\n{_logs(out, 'a0')}"
+    assert _wait(_start(free_port(), (out, "a1", "--autoresume"))) == [0, 0], _logs(out, "a1")
     full = [_trained(full_out, "full", rank) for rank in range(2)]
     assert [len(f) for f in full] == [6, 6]
     seen = [sorted(i for ids in f.values() for i in ids) for f in full]

@@ -12,11 +12,17 @@ every trained batch appends ``batch id id ...`` to ``OUT/trained_<tag>_rank<r>.t
 Checkpoints are saved after the batches of ``--save-at``. ``--kill-at N``: SIGKILL to this very
 process at the start of batch N + 1 (the loader workers die with it). At the end the full model
 and optimizer state go to ``OUT/final_<tag>_rank<r>.pt``.
+
+``--then OUT ...`` starts the arguments of another run, trained after this one in the same process
+(and process group), from the same seeds with a new model, loader and Trainer: one launch pays the
+interpreter and process-group start-up once for both. Only the last run may ``--kill-at``.
 """
 
 import argparse
+import functools
 import os
 import signal
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -37,25 +43,39 @@ p.add_argument("--stateful", default="none", choices=["1", "0", "none"])
 p.add_argument("--save-at", default="3,13")
 p.add_argument("--samples", type=int, default=40)
 p.add_argument("--epochs", type=int, default=2)
-args = p.parse_args()
+
+
+def split_runs(argv: list[str]) -> list[argparse.Namespace]:
+    runs, current = [], []
+    for arg in [*argv, "--then"]:
+        if arg == "--then":
+            runs.append(p.parse_args(current))
+            current = []
+        else:
+            current.append(arg)
+    if any(run.kill_at for run in runs[:-1]):
+        p.error("only the last run may --kill-at (it ends the process)")
+    return runs
+
+
+RUNS = split_runs(sys.argv[1:])
 
 if "RANK" in os.environ:
     kiln.launch_from_torch()
 RANK = kiln.context().rank
-FETCHED = f"{args.out}/fetched_{args.tag}_rank{RANK}.txt"
 
 
-def hf_collate(rows):
+def hf_collate(fetched, rows):
     ids = [int(row["text"]) for row in rows]
     for sample in ids:
-        log_fetch(FETCHED, 0, sample)  # logged at collation, in the worker that read the rows (tests run 1 epoch)
+        log_fetch(fetched, 0, sample)  # logged at collation, in the worker that read the rows (tests run 1 epoch)
     return torch.stack([features(s) for s in ids]), torch.tensor([s % 2 for s in ids]), torch.tensor(ids)
 
 
-def hf_data():
+def hf_data(out):
     from datasets import load_dataset
 
-    files = sorted(os.path.join(f"{args.out}/text", f) for f in os.listdir(f"{args.out}/text"))
+    files = sorted(os.path.join(f"{out}/text", f) for f in os.listdir(f"{out}/text"))
     return load_dataset("text", data_files=files, split="train", streaming=True)
 
 
@@ -72,50 +92,59 @@ class Net(kiln.Model):
 
 
 class Record(kiln.Callback):
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
     def batch_start(self, state, logger):
-        if args.kill_at and state.timestamp.batch.value == args.kill_at:
+        if self.args.kill_at and state.timestamp.batch.value == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)  # the next batch is fetched: no cleanup, no flushing
 
     def batch_end(self, state, logger):
         ids = " ".join(str(i) for i in state.batch[2].tolist())
-        with open(f"{args.out}/trained_{args.tag}_rank{RANK}.txt", "a") as f:
+        with open(f"{self.args.out}/trained_{self.args.tag}_rank{RANK}.txt", "a") as f:
             f.write(f"{state.timestamp.batch.value} {ids}\n")
 
 
-SAVE_AT = {int(b) for b in args.save_at.split(",") if b}
+def train(args: argparse.Namespace) -> None:
+    fetched = f"{args.out}/fetched_{args.tag}_rank{RANK}.txt"
+    save_at = {int(b) for b in args.save_at.split(",") if b}
 
+    def save_when(state, event):
+        return event == kiln.Event.BATCH_CHECKPOINT and state.timestamp.batch.value in save_at
 
-def save_when(state, event):
-    return event == kiln.Event.BATCH_CHECKPOINT and state.timestamp.batch.value in SAVE_AT
+    if args.data == "hf":
+        loader = DataLoader(
+            hf_data(args.out), batch_size=4, num_workers=args.workers, collate_fn=functools.partial(hf_collate, fetched)
+        )
+    else:
+        loader = DataLoader(
+            (StatefulStream if args.data == "stream" else Stream)(args.samples, fetched),
+            batch_size=4,
+            num_workers=args.workers,
+        )
 
-
-if args.data == "hf":
-    loader = DataLoader(hf_data(), batch_size=4, num_workers=args.workers, collate_fn=hf_collate)
-else:
-    loader = DataLoader(
-        (StatefulStream if args.data == "stream" else Stream)(args.samples, FETCHED),
-        batch_size=4,
-        num_workers=args.workers,
+    kiln.seed_everything(0)
+    model = Net()
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=loader,
+        max_duration=f"{args.epochs}ep",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        seed=0,
+        callbacks=[Record(args)],
+        save_folder=f"{args.out}/ckpt_{args.data}",
+        save_interval=save_when,
+        autoresume=args.autoresume,
+        progress_bar=False,
+        stateful_dataloader={"1": True, "0": False, "none": None}[args.stateful],
     )
+    trainer.fit()
+    final = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "loader": type(trainer.train_dataloader.loader).__name__,
+    }
+    torch.save(final, f"{args.out}/final_{args.tag}_rank{RANK}.pt")
 
-kiln.seed_everything(0)
-model = Net()
-trainer = kiln.Trainer(
-    model,
-    train_dataloader=loader,
-    max_duration=f"{args.epochs}ep",
-    optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
-    seed=0,
-    callbacks=[Record()],
-    save_folder=f"{args.out}/ckpt_{args.data}",
-    save_interval=save_when,
-    autoresume=args.autoresume,
-    progress_bar=False,
-    stateful_dataloader={"1": True, "0": False, "none": None}[args.stateful],
-)
-trainer.fit()
-final = {
-    "model": {k: v.clone() for k, v in model.state_dict().items()},
-    "loader": type(trainer.train_dataloader.loader).__name__,
-}
-torch.save(final, f"{args.out}/final_{args.tag}_rank{RANK}.pt")
+
+for run in RUNS:
+    train(run)
