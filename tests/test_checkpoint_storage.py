@@ -404,9 +404,12 @@ def kiln_event(name):
 RUN = WORKERS / "ckpt_storage.py"
 
 
-def _start(out, save_folder, env, *extra):
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(RUN), str(out), save_folder, *extra]
+def _start(env, *runs):
+    """One 2-rank launch training ``runs`` (each ``(out, save_folder, *extra)``) one after another."""
+    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(RUN)]
+    for i, (out, save_folder, *extra) in enumerate(runs):
+        out.mkdir(parents=True, exist_ok=True)
+        cmd += [*(["--then"] if i else []), str(out), save_folder, *extra]
     return subprocess.Popen(cmd, env={**base_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -425,12 +428,12 @@ def _finals(out):
 
 def test_two_ranks_killed_in_an_upload_autoresume_from_the_bucket_bit_exact(tmp_path, s3_env):
     run = f"s3://kiln/{uuid.uuid4().hex[:8]}"
-    # the uninterrupted run and the one killed in its second upload, side by side
-    full = _start(tmp_path / "full", f"{run}-full", s3_env)
-    killed = _finish(_start(tmp_path / "run", run, s3_env, "--kill-in-upload", "2", "--async"))
-    full = _finish(full)
-    assert full.returncode == 0, full.stderr[-3000:]
+    # the uninterrupted run, then in the same processes the one killed in its second upload
+    full = (tmp_path / "full", f"{run}-full")
+    killed = _finish(_start(s3_env, full, (tmp_path / "run", run, "--kill-in-upload", "2", "--async")))
     assert killed.returncode != 0, "the run should have been killed"
+    missing = [r for r in range(2) if not (tmp_path / f"full/final_rank{r}.pt").exists()]
+    assert not missing, f"the uninterrupted run did not finish on ranks {missing}:\n{killed.stderr[-3000:]}"
     bucket = as_path(run)
     first, second = "ep0-ba4", "ep1-ba8"
     assert _names(run) == {first, second, "last"}
@@ -439,7 +442,7 @@ def test_two_ranks_killed_in_an_upload_autoresume_from_the_bucket_bit_exact(tmp_
     assert {"rank0.pt", "rank1.pt"} <= _files(bucket / second)  # part of it is in the bucket
     assert verify_checkpoint(bucket / "last")["world_size"] == 2
 
-    resumed = _finish(_start(tmp_path / "run", run, s3_env, "--async"))
+    resumed = _finish(_start(s3_env, (tmp_path / "run", run, "--async")))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for a, b in zip(_finals(tmp_path / "full"), _finals(tmp_path / "run")):
         assert a["batch"] == b["batch"] == 12
