@@ -122,27 +122,40 @@ def test_the_state_dict_keeps_the_class_and_config_for_exports():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
 
 
-def test_import_kiln_imports_no_transformers():
-    # kiln.models loads on first use (torchmetrics, which it needs, imports transformers when present)
+@pytest.fixture(scope="module")
+def fresh_imports():
+    """What a fresh process has imported at each point: `import kiln`, then kiln.models on first use
+    (kiln.models.HuggingFaceModel), then the MoE model, then its metrics. One process for both tests
+    below (each python process pays the torch import, and transformers' ~2 s, again)."""
     code = (
-        "import sys, kiln; assert not {'transformers', 'kiln.models'} & set(sys.modules); "
-        "assert kiln.models.HuggingFaceModel.__name__ == 'HuggingFaceModel'"
-    )
-    subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=120)
-
-
-def test_import_kiln_models_imports_no_torchmetrics_until_a_metric_is_made():
-    # torchmetrics imports transformers, scipy and matplotlib when they are installed (about 2 s
-    # here, more than torch): a MoE run or a dry run without evaluation never needs it
-    code = (
-        "import sys, kiln.models; from kiln.models import MoELlama, MoELlamaConfig; "
-        "assert 'torchmetrics' not in sys.modules, 'torchmetrics imported'; "
-        "metrics = MoELlama(MoELlamaConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2)).get_metrics(); "
-        "assert type(metrics['LanguagePerplexity']) is kiln.models.LanguagePerplexity; "
-        "assert 'torchmetrics' in sys.modules"
+        "import json, sys, kiln\n"
+        "seen = {'import kiln': sorted({'transformers', 'kiln.models', 'torchmetrics'} & set(sys.modules))}\n"
+        "seen['HuggingFaceModel'] = kiln.models.HuggingFaceModel.__name__\n"
+        "from kiln.models import MoELlama, MoELlamaConfig\n"
+        "seen['kiln.models'] = sorted({'torchmetrics'} & set(sys.modules))\n"
+        "metrics = MoELlama(MoELlamaConfig(vocab_size=8, dim=8, num_layers=1, num_heads=2)).get_metrics()\n"
+        "seen['metric'] = type(metrics['LanguagePerplexity']) is kiln.models.LanguagePerplexity\n"
+        "seen['a metric made'] = sorted({'torchmetrics'} & set(sys.modules))\n"
+        "print(json.dumps(seen))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_import_kiln_imports_no_transformers(fresh_imports):
+    # kiln.models loads on first use (torchmetrics, which it needs, imports transformers when present)
+    assert fresh_imports["import kiln"] == [], f"import kiln imported {fresh_imports['import kiln']}"
+    assert fresh_imports["HuggingFaceModel"] == "HuggingFaceModel", fresh_imports
+
+
+def test_import_kiln_models_imports_no_torchmetrics_until_a_metric_is_made(fresh_imports):
+    # torchmetrics imports transformers, scipy and matplotlib when they are installed (about 2 s
+    # here, more than torch): a MoE run or a dry run without evaluation never needs it (kiln.models
+    # is imported here, by its first use, and a Hugging Face model named: neither imports it)
+    assert fresh_imports["kiln.models"] == [], "torchmetrics imported"
+    assert fresh_imports["metric"] is True, "the MoE model's perplexity is not kiln.models.LanguagePerplexity"
+    assert fresh_imports["a metric made"] == ["torchmetrics"], fresh_imports
 
 
 # -- the tensor-parallel plan -----------------------------------------------------------------------
