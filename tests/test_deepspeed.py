@@ -78,13 +78,18 @@ def test_trainer_under_deepspeed_killed_and_autoresumed_is_bit_exact(tmp_path):
     # ckpt_trainer: dropout, shuffling, AdamW, warmup + cosine, grad_accum=2, amp_bf16, MixUp
     run, crash = tmp_path / "run", tmp_path / "crash"
     args = ("--strategy", "deepspeed", "--interval", "4ba")
-    check(kiln_run(WORKERS / "ckpt_trainer.py", str(run), *args, timeout=300))
     died = kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--die-after", "17", timeout=300)
     assert died.returncode != 0
     assert (crash / "ckpt/last").resolve().name == "ep2-ba16"  # mid-epoch: 6 batches per epoch on 2 ranks
     manifest = json.loads((crash / "ckpt/last/manifest.json").read_text())
     assert manifest["strategy"]["name"] == "deepspeed"
-    check(kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", timeout=300))
+    # The resumed run comes first in fresh processes, as after a real crash; the uninterrupted
+    # reference then runs as a new Trainer in the same launch (--reference), saving a launch. It
+    # reseeds and builds everything anew, so what it inherits could only make it differ, not hide
+    # a difference.
+    check(
+        kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", "--reference", str(run), timeout=300)
+    )
     for rank in (0, 1):
         x, y = (torch.load(d / f"final_rank{rank}.pt", weights_only=True) for d in (run, crash))
         assert x["batch"] == y["batch"] == 18  # 96 samples / (8 per batch * 2 ranks) * 3 epochs

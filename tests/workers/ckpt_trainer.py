@@ -3,6 +3,9 @@
 Dropout, ``DataLoader(shuffle=True)`` (the Trainer gives it a seedable sampler), AdamW, warmup +
 cosine, grad_accum=2, amp_bf16 and MixUp. ``--die-after N`` ends the process with ``os._exit``
 after batch N (on the first attempt only, under torchrun's restarts); the final model and optimizer go to ``OUT/final_rank<r>.pt``.
+``--reference DIR`` then makes an uninterrupted run into DIR in the same processes, a fresh
+Trainer after the first run has finished: the reference a resume is compared with, without a launch
+of its own.
 """
 
 import argparse
@@ -21,6 +24,7 @@ p.add_argument("--interval", default="4ba")
 p.add_argument("--save-type", default="sharded")
 p.add_argument("--strategy", default="auto")
 p.add_argument("--async", dest="save_async", action="store_true")
+p.add_argument("--reference", default=None)
 args = p.parse_args()
 
 if "RANK" in os.environ:
@@ -34,33 +38,39 @@ class Die(kiln.Callback):
             os._exit(17)  # a hard crash: no finally blocks, no flushing
 
 
-kiln.seed_everything(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
-g = torch.Generator().manual_seed(5)
-data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g))
-trainer = kiln.Trainer(
-    model,
-    train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
-    max_duration="3ep",
-    optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
-    schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
-    criterion=nn.CrossEntropyLoss(),
-    precision="amp_bf16",
-    grad_accum=2,
-    seed=0,
-    strategy=args.strategy,
-    algorithms=[kiln.algorithms.MixUp(alpha=0.3)],
-    callbacks=[Die()] if args.die_after else [],
-    save_folder=f"{args.out}/ckpt",
-    save_interval=args.interval,
-    save_type=args.save_type,
-    save_async=args.save_async,
-    autoresume=args.autoresume,
-    progress_bar=False,
-)
-trainer.fit()
-engine = trainer.engine
-final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)
-torch.save({**final, "batch": trainer.state.timestamp.batch.value}, f"{args.out}/final_rank{trainer.state.rank}.pt")
+def fit(out, die_after, autoresume):
+    kiln.seed_everything(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g))
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+        max_duration="3ep",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
+        schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="3ba"),
+        criterion=nn.CrossEntropyLoss(),
+        precision="amp_bf16",
+        grad_accum=2,
+        seed=0,
+        strategy=args.strategy,
+        algorithms=[kiln.algorithms.MixUp(alpha=0.3)],
+        callbacks=[Die()] if die_after else [],
+        save_folder=f"{out}/ckpt",
+        save_interval=args.interval,
+        save_type=args.save_type,
+        save_async=args.save_async,
+        autoresume=autoresume,
+        progress_bar=False,
+    )
+    trainer.fit()
+    engine = trainer.engine
+    final = engine.strategy.state_dict(engine.model, engine.optimizer, full=True)
+    torch.save({**final, "batch": trainer.state.timestamp.batch.value}, f"{out}/final_rank{trainer.state.rank}.pt")
+
+
+fit(args.out, args.die_after, args.autoresume)
+if args.reference:
+    fit(args.reference, 0, False)
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
