@@ -67,7 +67,6 @@ LONGEST_FIRST = (
     "test_run_stop.py",
     "test_parallel_sgd.py",
     "test_timeouts.py",
-    "test_hooks.py",
     "test_launch.py",
     "test_lm_example.py",
     "test_slurm.py",
