@@ -19,6 +19,7 @@ from distributed import WORKERS, base_env, check, free_port, kiln_run, run_ranks
 from kiln.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 
 LOOP = WORKERS / "ckpt_loop.py"
+sys.path.insert(0, str(WORKERS))  # the loop's own imports (then_runs), when it runs in this process
 
 
 def _in_process(out, *args):

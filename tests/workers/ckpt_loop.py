@@ -27,6 +27,7 @@ from torch import nn
 import kiln
 from kiln.checkpoint import CheckpointSaver, load_checkpoint
 from kiln.launch.data import ResumableSampler
+from then_runs import split_runs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckpt_common import Noise  # noqa: E402
@@ -45,20 +46,7 @@ p.add_argument("--strategy", default="auto")
 p.add_argument("--keep", type=int, default=-1)
 
 
-def split_runs(argv: list[str]) -> list[argparse.Namespace]:
-    runs, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg == "--then":
-            runs.append(p.parse_args(current))
-            current = []
-        else:
-            current.append(arg)
-    if any(run.die_after or run.sigterm_after for run in runs[:-1]):
-        p.error("only the last run may --die-after or --sigterm-after (they end the process)")
-    return runs
-
-
-RUNS = split_runs(sys.argv[1:])
+RUNS = split_runs(p, sys.argv[1:], "die_after", "sigterm_after")
 ctx = kiln.launch_from_torch(seed=0) if "RANK" in os.environ else kiln.launch(seed=0)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 import kiln
 from kiln.checkpoint import hashing
+from then_runs import split_runs
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -30,20 +31,7 @@ p.add_argument("--kill-in-upload", type=int, default=0)
 p.add_argument("--async", dest="save_async", action="store_true")
 
 
-def split_runs(argv: list[str]) -> list[argparse.Namespace]:
-    runs, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg == "--then":
-            runs.append(p.parse_args(current))
-            current = []
-        else:
-            current.append(arg)
-    if any(run.kill_in_upload for run in runs[:-1]):
-        p.error("only the last run may --kill-in-upload (it ends the process)")
-    return runs
-
-
-RUNS = split_runs(sys.argv[1:])
+RUNS = split_runs(p, sys.argv[1:], "kill_in_upload")
 
 if "RANK" in os.environ:
     kiln.launch_from_torch()

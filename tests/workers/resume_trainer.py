@@ -29,6 +29,7 @@ from torch import nn
 
 import kiln
 from kiln.launch.rng import rng_state
+from then_runs import split_runs
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -40,20 +41,7 @@ p.add_argument("--epochs", type=int, default=3)
 p.add_argument("--tag", default="run")
 
 
-def split_runs(argv: list[str]) -> list[argparse.Namespace]:
-    runs, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg == "--then":
-            runs.append(p.parse_args(current))
-            current = []
-        else:
-            current.append(arg)
-    if any(run.die_after for run in runs[:-1]):
-        p.error("only the last run may --die-after (it ends the process)")
-    return runs
-
-
-RUNS = split_runs(sys.argv[1:])
+RUNS = split_runs(p, sys.argv[1:], "die_after")
 
 if "RANK" in os.environ:
     kiln.launch_from_torch()

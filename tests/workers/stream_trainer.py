@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 
 import kiln
 from stream_data import StatefulStream, Stream, features, log_fetch
+from then_runs import split_runs
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -45,20 +46,7 @@ p.add_argument("--samples", type=int, default=40)
 p.add_argument("--epochs", type=int, default=2)
 
 
-def split_runs(argv: list[str]) -> list[argparse.Namespace]:
-    runs, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg == "--then":
-            runs.append(p.parse_args(current))
-            current = []
-        else:
-            current.append(arg)
-    if any(run.kill_at for run in runs[:-1]):
-        p.error("only the last run may --kill-at (it ends the process)")
-    return runs
-
-
-RUNS = split_runs(sys.argv[1:])
+RUNS = split_runs(p, sys.argv[1:], "kill_at")
 
 if "RANK" in os.environ:
     kiln.launch_from_torch()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import kiln
+from then_runs import split_runs
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -26,20 +27,7 @@ p.add_argument("--die-after", type=int, default=0)
 p.add_argument("--autoresume", action="store_true")
 
 
-def split_runs(argv: list[str]) -> list[argparse.Namespace]:
-    runs, current = [], []
-    for arg in [*argv, "--then"]:
-        if arg == "--then":
-            runs.append(p.parse_args(current))
-            current = []
-        else:
-            current.append(arg)
-    if any(run.die_after for run in runs[:-1]):
-        p.error("only the last run may --die-after (it ends the process)")
-    return runs
-
-
-RUNS = split_runs(sys.argv[1:])
+RUNS = split_runs(p, sys.argv[1:], "die_after")
 ctx = kiln.launch_from_torch()
 
 
