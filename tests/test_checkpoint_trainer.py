@@ -18,6 +18,7 @@ from distributed import WORKERS, base_env
 from kiln.checkpoint import verify_checkpoint
 
 RUN = WORKERS / "ckpt_trainer.py"
+sys.path.insert(0, str(WORKERS))  # the worker's own imports (then_runs), when it runs in this process
 
 
 def _in_process(out, *args):

@@ -84,11 +84,11 @@ def test_trainer_under_deepspeed_killed_and_autoresumed_is_bit_exact(tmp_path):
     manifest = json.loads((crash / "ckpt/last/manifest.json").read_text())
     assert manifest["strategy"]["name"] == "deepspeed"
     # The resumed run comes first in fresh processes, as after a real crash; the uninterrupted
-    # reference then runs as a new Trainer in the same launch (--reference), saving a launch. It
+    # reference then runs as a new Trainer in the same launch (--then), saving a launch. It
     # reseeds and builds everything anew, so what it inherits could only make it differ, not hide
     # a difference.
     check(
-        kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", "--reference", str(run), timeout=300)
+        kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", "--then", str(run), *args, timeout=300)
     )
     for rank in (0, 1):
         x, y = (torch.load(d / f"final_rank{rank}.pt", weights_only=True) for d in (run, crash))
