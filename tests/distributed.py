@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,3 +165,137 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
     )
     return result
+
+
+# -- ranks forked from a warm process ------------------------------------------------------------
+# A `kiln run -n 2` costs ~10 CPU-s before the first line of the script on this 2-core machine: the
+# launcher's interpreter and torch (1.6 s), then in each rank torch (1.3 s), torch._dynamo (1.1 s,
+# which DistributedDataParallel.__init__ imports) and kiln. Tests whose subject is what the ranks
+# compute (strategies against one process, resume, checkpoints), not how they were started, fork
+# their ranks from a server that imported all that once per pytest worker (multiprocessing's
+# forkserver). Each rank is still a process of its own, in a real gloo group, running the script
+# under kiln.launch.worker as `kiln run` would; the launcher itself is tested by the launch tests,
+# which keep `kiln_run`.
+_FORK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
+                 "torch.distributed.tensor", "torch.distributed.checkpoint", "kiln", "kiln.trainer",
+                 "kiln.launch.worker", "distributed"]  # fmt: skip
+_fork_context: list = []
+
+
+def _forkserver():
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    if not _fork_context:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_FORK_PRELOAD)
+        # The server starts with this environment: the tests' import path (the server imports this
+        # module to run _fork_rank) and one OpenMP thread, which libgomp reads when torch loads.
+        saved = dict(os.environ)
+        env = base_env()
+        os.environ.update({"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(Path(__file__).parent),
+                           "OMP_NUM_THREADS": "1"})  # fmt: skip
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        _fork_context.append(context)
+    return _fork_context[0]
+
+
+def _fork_rank(script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None) -> None:
+    """In a rank forked from the server: the environment, cwd and output files of a fresh process,
+    then the script under kiln.launch.worker; exits with the status `python -m kiln.launch.worker`
+    would (0, the script's SystemExit code, 1 after an uncaught exception)."""
+    import atexit
+
+    os.environ.clear()
+    os.environ.update(env)
+    for path, fd in ((out, 1), (err, 2)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(file, fd)
+        os.close(file)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.path[1:1] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
+    from kiln.launch import worker
+
+    code = 0
+    try:
+        worker.main([script, *args])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, through the worker's hook
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()  # the interpreter's exit (kiln's teardown of the group), which os._exit skips
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def fork_run(
+    script: str | Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    """What ``kiln_run(script, *args, nproc=...)`` returns for a job that runs to its end, with the
+    ranks forked from a warm server (see above): returncode 0 when every rank exited 0 (else the
+    first non-zero status), stdout and stderr each rank's in rank order."""
+    import multiprocessing.connection
+    import tempfile
+
+    context = _forkserver()
+    rank_env = {**base_env(), **(env or {})}
+    rank_env.pop("KILN_RUN_PID", None)  # kiln.launch.parent_death: the server is the parent here
+    port = str(free_port())
+    with tempfile.TemporaryDirectory(prefix="kiln-fork-") as folder:
+        procs = []
+        for rank in range(nproc):
+            variables = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": port}  # fmt: skip
+            files = (os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err"))
+            proc = context.Process(
+                target=_fork_rank,
+                args=(str(script), list(args), {**rank_env, **variables}, *files, None if cwd is None else str(cwd)),
+            )
+            proc.start()
+            procs.append((proc, files))
+        # As torchrun's agent: once a rank has failed, the others are stopped (SIGTERM, then SIGKILL
+        # after 10 s) rather than left waiting in a collective for their peer.
+        deadline, stop_at = time.monotonic() + timeout, None
+        while any(proc.exitcode is None for proc, _ in procs) and time.monotonic() < deadline:
+            multiprocessing.connection.wait([proc.sentinel for proc, _ in procs if proc.exitcode is None], 0.5)
+            if stop_at is None and any(proc.exitcode not in (None, 0) for proc, _ in procs):
+                stop_at = time.monotonic() + 10
+                for proc, _ in procs:
+                    if proc.exitcode is None:
+                        proc.terminate()
+            if stop_at is not None and time.monotonic() > stop_at:
+                break
+        late = [proc.pid for proc, _ in procs if proc.exitcode is None and stop_at is None]
+        for proc, _ in procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        outs = [open(path, errors="replace").read() for _, files in procs for path in files[:1]]
+        errs = [open(path, errors="replace").read() for _, files in procs for path in files[1:]]
+    cmd = [f"fork_run -n {nproc}", str(script), *args]
+    if late:
+        raise AssertionError(
+            f"{' '.join(cmd)} did not finish within {timeout} s (ranks {late} killed)\n"
+            f"stdout:\n{''.join(outs)[-3000:]}\nstderr:\n{''.join(errs)[-6000:]}"
+        )
+    codes = [proc.exitcode for proc, _ in procs]
+    code = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(cmd, code, "".join(outs), "".join(errs))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 RUN = WORKERS / "unused_params_trainer.py"
 
@@ -19,7 +19,7 @@ ALGORITHMS, STRATEGIES = ("stochastic_depth", "layer_freezing"), ("ddp", "zero1"
 def _launch(out, strategies, nproc):
     """One launch running every algorithm under each strategy in turn; {(algorithm, strategy): [rank results]}."""
     cases = [f"{algorithm}/{strategy}" for algorithm in ALGORITHMS for strategy in strategies]
-    check(kiln_run(RUN, str(out), *cases, nproc=nproc))
+    check(fork_run(RUN, str(out), *cases, nproc=nproc))
     return {
         (algorithm, strategy): [
             torch.load(out / f"{algorithm}_{strategy}_rank{r}.pt", weights_only=True) for r in range(nproc)

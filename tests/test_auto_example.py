@@ -129,9 +129,9 @@ def test_auto_by_name_on_two_ranks(tmp_path):
     as the strategy it chose does, loss for loss."""
     import json
 
-    from distributed import WORKERS, check, kiln_run
+    from distributed import WORKERS, check, fork_run
 
-    check(kiln_run(WORKERS / "auto_example_worker.py", str(tmp_path), nproc=2, timeout=240))
+    check(fork_run(WORKERS / "auto_example_worker.py", str(tmp_path), nproc=2, timeout=240))
     result = json.loads((tmp_path / "auto.json").read_text())
     assert result["table"] and all(row["activations"] > 0 for row in result["table"]), result
     assert result["auto"] == result["plain"] and len(result["auto"]) == 6

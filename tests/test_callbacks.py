@@ -487,10 +487,10 @@ def test_trainer_two_ranks_metrics_and_nan_monitor(tmp_path):
     import json
 
     import kiln
-    from distributed import WORKERS, check, kiln_run
+    from distributed import WORKERS, check, fork_run
     from workers.metrics_trainer import data, eval_trainer, model
 
-    check(kiln_run(WORKERS / "metrics_trainer.py", str(tmp_path)))
+    check(fork_run(WORKERS / "metrics_trainer.py", str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     single = eval_trainer(model()).eval(torch.utils.data.DataLoader(data(), batch_size=8))
     for result in ranks:
@@ -504,8 +504,8 @@ def test_trainer_two_ranks_metrics_and_nan_monitor(tmp_path):
 def test_stoppers_read_one_train_value_on_every_rank(tmp_path):
     # train/loss is each rank's own loss: a stopper reading it raw would stop ranks at different
     # batches and leave the others waiting in a collective. It reads the mean over ranks.
-    from distributed import WORKERS, check, kiln_run
+    from distributed import WORKERS, check, fork_run
 
-    check(kiln_run(WORKERS / "stopper_metric.py", str(tmp_path)))
+    check(fork_run(WORKERS / "stopper_metric.py", str(tmp_path)))
     values = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert values == [{"train": 1.5, "eval": 0.25}] * 2

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import kiln
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from kiln.checkpoint import load_checkpoint, merge_checkpoint, verify_checkpoint
 from kiln.parallel.dcp_state import get_state_dict
 
@@ -42,7 +42,7 @@ STRATEGIES = ["ddp", "zero1", "zero3"]
 def saved(tmp_path_factory):
     """One 2-rank launch saving under each strategy in turn: the folder holding a folder per strategy."""
     out = tmp_path_factory.mktemp("saved")
-    check(kiln_run(WORKERS / "ckpt_save_ranks.py", str(out), ",".join(STRATEGIES)))
+    check(fork_run(WORKERS / "ckpt_save_ranks.py", str(out), ",".join(STRATEGIES)))
     return out
 
 

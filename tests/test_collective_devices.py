@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from workers.collective_trace import TENSOR_COLLECTIVES, kiln_site, tensors_in
 
 _context = importlib.import_module("kiln.launch.context")  # the module: kiln.launch.context is also a function name
@@ -42,7 +42,7 @@ SITES = {
 
 @pytest.mark.timeout(240)
 def test_every_kiln_collective_of_a_two_rank_run_is_on_the_context_device(tmp_path):
-    check(kiln_run(WORKERS / "collective_devices.py", str(tmp_path), timeout=200))
+    check(fork_run(WORKERS / "collective_devices.py", str(tmp_path), timeout=200))
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         wrong = [call for call in result["calls"] if not call[3]]

@@ -29,7 +29,7 @@ import json
 
 import pytest
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from kiln.config.compute import ComputeConfig
 from kiln.parallel import Hybrid, ParallelDims
 from kiln.parallel.context import check_context_parallel, prepare_batch
@@ -41,7 +41,7 @@ SEQ = 16
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    check(kiln_run(WORKERS / "cp_worker.py", str(out), nproc=2, timeout=300))
+    check(fork_run(WORKERS / "cp_worker.py", str(out), nproc=2, timeout=300))
     return json.loads((out / "cp.json").read_text())
 
 

@@ -50,7 +50,7 @@ import pytest
 import torch
 import yaml
 
-from distributed import ROOT, check, kiln_run
+from distributed import ROOT, check, fork_run
 
 DOCS = ROOT / "docs"
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
@@ -210,7 +210,7 @@ def test_python_block_runs_alone(chain, tmp_path, monkeypatch, request):
 def test_python_script_block_runs_on_several_processes(block, tmp_path):
     script = tmp_path / f"{Path(block.page).stem}_line{block.line}.py"
     script.write_text("\n" * (block.line - 1) + block.code)
-    check(kiln_run(script, nproc=int(block.how.split()[-1]), cwd=tmp_path, timeout=240))
+    check(fork_run(script, nproc=int(block.how.split()[-1]), cwd=tmp_path, timeout=240))
 
 
 def test_included_sections_exist():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import kiln
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 
 def _model(seed=0):
@@ -231,7 +231,7 @@ def test_full_model_state_dict_single():
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_ddp_two_processes(tmp_path, accum):
-    check(kiln_run(WORKERS / "ddp_worker.py", str(tmp_path), str(accum)))
+    check(fork_run(WORKERS / "ddp_worker.py", str(tmp_path), str(accum)))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["identical"] and r1["identical"]
     assert r0["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -36,7 +36,7 @@ import types
 import pytest
 import torch
 
-from distributed import ROOT, WORKERS, base_env, check, kiln_run
+from distributed import ROOT, WORKERS, base_env, check, fork_run
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
 from kiln.parallel import Hybrid, ParallelDims
@@ -49,7 +49,7 @@ FOUR_RANKS = ["ep2_fsdp2:plain", "ep2_fsdp2:clip", "ep2_tp2:plain", "ep2_hsdp:pl
 
 def _launch(tmp_path_factory, nproc, cases, reshard):
     out = tmp_path_factory.mktemp(f"moe_parity{nproc}")
-    check(kiln_run(WORKERS / "moe_parity_worker.py", str(out), *cases, "--reshard", *reshard, nproc=nproc, timeout=300))
+    check(fork_run(WORKERS / "moe_parity_worker.py", str(out), *cases, "--reshard", *reshard, nproc=nproc, timeout=300))
     return json.loads((out / "moe_parity.json").read_text())
 
 

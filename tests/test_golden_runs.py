@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from distributed import WORKERS, base_env, check, kiln_run
+from distributed import WORKERS, base_env, check, fork_run
 
 RECORDING = Path(__file__).parent / "data" / "golden_runs.json"
 RUNS = WORKERS / "golden_runs.py"
@@ -49,7 +49,7 @@ def run_cases(out: Path) -> dict[str, Any]:
         [sys.executable, str(RUNS), str(out), "single"], env=base_env(), capture_output=True, text=True, timeout=400
     )
     check(single)
-    check(kiln_run(RUNS, str(out), "multi", nproc=2, timeout=400))
+    check(fork_run(RUNS, str(out), "multi", nproc=2, timeout=400))
     cases: dict[str, Any] = {}
     for group in ("single", "multi"):
         for name, entry in json.loads((out / f"golden_{group}.json").read_text()).items():

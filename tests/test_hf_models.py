@@ -24,7 +24,7 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from distributed import ROOT, WORKERS, base_env, check, kiln_run  # noqa: E402
+from distributed import ROOT, WORKERS, base_env, check, fork_run  # noqa: E402
 
 sys.path.insert(0, str(WORKERS))
 from transformers import (  # noqa: E402
@@ -279,7 +279,7 @@ PARITY_CASES = ["ddp", "zero1", "zero3", "tp", "zero3_tp", "pp", "engine_zero3_t
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_parity")
-    check(kiln_run(WORKERS / "hf_parity.py", str(out), *PARITY_CASES, nproc=4, timeout=400))
+    check(fork_run(WORKERS / "hf_parity.py", str(out), *PARITY_CASES, nproc=4, timeout=400))
     return json.loads((out / "hf_parity.json").read_text())
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kiln
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from kiln.checkpoint.offline import load_full
 from kiln.config.args import TrainerArgs
 from kiln.config.overrides import ConfigError
@@ -360,7 +360,7 @@ def two_ranks(tmp_path_factory):
     # the first test to use it pays for this launch: 259 s measured on a loaded machine, hence the
     # tests' timeout(900) beside kiln_run's 600
     out = tmp_path_factory.mktemp("levers")
-    check(kiln_run(WORKERS / "levers_worker.py", str(out), nproc=2, timeout=600))
+    check(fork_run(WORKERS / "levers_worker.py", str(out), nproc=2, timeout=600))
     return json.loads((out / "levers.json").read_text())
 
 

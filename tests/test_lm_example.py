@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from distributed import ROOT, check, kiln_run
+from distributed import ROOT, check, fork_run
 
 pytest.importorskip("transformers")
 
@@ -17,7 +17,7 @@ SMALL = ["--steps", "4", "--seq-len", "32", "--hidden", "32", "--layers", "2", "
 @pytest.mark.world_size(4)
 def test_python_example_zero3_x_tp_compiled_and_checkpointed(tmp_path):
     result = check(
-        kiln_run(
+        fork_run(
             ROOT / "examples" / "lm_pretrain.py",
             *SMALL,
             "--max-bytes",

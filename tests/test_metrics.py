@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from kiln import metrics
 
 
@@ -144,7 +144,7 @@ def test_import_kiln_does_not_import_torchmetrics():
 
 @pytest.mark.world_size(2)
 def test_metrics_under_two_ranks_equal_single_process(tmp_path):
-    check(kiln_run(WORKERS / "metrics_sync.py", str(tmp_path)))
+    check(fork_run(WORKERS / "metrics_sync.py", str(tmp_path)))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(64, 5, generator=g), torch.randint(0, 5, (64,), generator=g)

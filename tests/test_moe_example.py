@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-from distributed import ROOT, check, kiln_run
+from distributed import ROOT, check, fork_run
 from kiln.parallel.mesh import ParallelDims
 
 SMALL = ["--steps", "4", "--seq-len", "32", "--hidden", "32", "--layers", "2", "--batch-size", "2"]
@@ -15,7 +15,7 @@ SMALL = ["--steps", "4", "--seq-len", "32", "--hidden", "32", "--layers", "2", "
 
 def test_python_example_ep2_x_fsdp2_trains_and_logs_the_router(tmp_path):
     result = check(
-        kiln_run(
+        fork_run(
             ROOT / "examples" / "moe_pretrain.py",
             *SMALL,
             "--max-bytes",

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 sys.path.insert(0, str(WORKERS))  # the shared test model lives beside the workers
 
@@ -37,7 +37,7 @@ FOUR_RANKS = ["hybrid_fsdp_tp", "hybrid_hsdp:accum2", "hybrid_pp_fsdp:accum2", "
 
 def _launch(tmp_path_factory, nproc, cases):
     out = tmp_path_factory.mktemp(f"parallel{nproc}")
-    check(kiln_run(WORKERS / "parallel_worker.py", str(out), *cases, nproc=nproc, timeout=400))
+    check(fork_run(WORKERS / "parallel_worker.py", str(out), *cases, nproc=nproc, timeout=400))
     return out, json.loads((out / "parity.json").read_text())
 
 

@@ -35,7 +35,7 @@ import json
 
 import pytest
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 TOL = 1e-10  # absolute; values are O(0.1-1), so also the relative bound for gradients and weights
 TWO_RANKS = ["ddp", "zero1", "zero2", "zero3", "tp", "pp_1f1b", "pp_gpipe", "pp_interleaved"]
@@ -45,7 +45,7 @@ VARIANTS = ["plain", "accum2", "clip"]
 
 def _launch(tmp_path_factory, nproc, cases):
     out = tmp_path_factory.mktemp(f"sgd_parity{nproc}")
-    check(kiln_run(WORKERS / "sgd_parity_worker.py", str(out), *cases, nproc=nproc, timeout=240))
+    check(fork_run(WORKERS / "sgd_parity_worker.py", str(out), *cases, nproc=nproc, timeout=240))
     return json.loads((out / "sgd_parity.json").read_text())
 
 

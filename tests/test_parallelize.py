@@ -16,7 +16,7 @@ from torch import nn
 
 import kiln
 import kiln.parallel.parallelize as parallelize_module
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 from kiln.launch.context import Context
 from kiln.parallel import FSDP, Hybrid, SingleDevice, Strategy, TensorParallel
 from kiln.parallel.parallelize import STAGE_STEPS, STEPS, WHOLE_MODEL_STEPS, ParallelizeOptions, find_blocks
@@ -272,7 +272,7 @@ def test_a_strategy_that_overrides_only_one_step():
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallelize")
-    check(kiln_run(WORKERS / "parallelize_worker.py", str(out), nproc=2, timeout=300))
+    check(fork_run(WORKERS / "parallelize_worker.py", str(out), nproc=2, timeout=300))
     return json.loads((out / "parallelize.json").read_text())
 
 

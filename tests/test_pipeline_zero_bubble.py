@@ -37,7 +37,7 @@ import re
 import pytest
 import yaml
 
-from distributed import ROOT, WORKERS, check, kiln_run
+from distributed import ROOT, WORKERS, check, fork_run
 from kiln.cli.main import main
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
@@ -52,7 +52,7 @@ AMP = "amp_bf16_fsdp"
 
 def _launch(tmp_path_factory, nproc, cases):
     out = tmp_path_factory.mktemp(f"zero_bubble{nproc}")
-    check(kiln_run(WORKERS / "zero_bubble_worker.py", str(out), *cases, nproc=nproc, timeout=300))
+    check(fork_run(WORKERS / "zero_bubble_worker.py", str(out), *cases, nproc=nproc, timeout=300))
     return json.loads((out / "zero_bubble.json").read_text())
 
 

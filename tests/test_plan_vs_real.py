@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from distributed import ROOT, WORKERS, check, kiln_run
+from distributed import ROOT, WORKERS, check, fork_run
 from kiln.config.args import load_trainer_args
 from kiln.parallel.dry_run import dry_run
 
@@ -77,7 +77,7 @@ def test_the_dry_run_is_what_a_real_run_allocates_and_moves(world, tmp_path):
     configs = WORLDS[world]
     (tmp_path / "configs.json").write_text(json.dumps(configs))
     check(
-        kiln_run(
+        fork_run(
             WORKERS / "plan_vs_real_worker.py",
             str(tmp_path / "configs.json"),
             str(tmp_path),

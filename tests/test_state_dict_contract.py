@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from distributed import WORKERS, check, kiln_run  # noqa: E402
+from distributed import WORKERS, check, fork_run  # noqa: E402
 
 sys.path.insert(0, str(WORKERS))
 import kiln  # noqa: E402
@@ -57,7 +57,7 @@ def test_the_engine_form_and_the_checkpoint_keep_what_they_kept():
 @pytest.fixture(scope="module")
 def contract(tmp_path_factory):
     out = tmp_path_factory.mktemp("contract")
-    check(kiln_run(WORKERS / "state_dict_contract_worker.py", str(out), *CASES, nproc=2, timeout=300))
+    check(fork_run(WORKERS / "state_dict_contract_worker.py", str(out), *CASES, nproc=2, timeout=300))
     return json.loads((out / "contract.json").read_text())
 
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import ROOT, check, kiln_run
+from distributed import ROOT, check, fork_run
 from kiln.core.time import Time, Timestamp, TimeUnit
 from kiln.loggers import Logger, LoggerDestination
 from kiln.trainer.progress import ProgressBar
@@ -149,7 +149,7 @@ def ddp_collectives(step: int | str) -> dict[str, int]:
 @pytest.mark.timeout(240)
 def test_a_two_rank_trainer_adds_collectives_and_host_reads_only_at_log_steps(tmp_path):
     check(
-        kiln_run(
+        fork_run(
             ROOT / "benchmarks" / "step_calls.py",
             "--out",
             str(tmp_path),

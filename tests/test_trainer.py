@@ -391,9 +391,9 @@ def test_clip_grad_norm_and_gradient_clipping_algorithm_are_exclusive():
 def test_two_rank_ddp_logs_the_mean_loss_counts_all_samples_and_matches_one_process(tmp_path):
     import json
 
-    from distributed import WORKERS, check, kiln_run
+    from distributed import WORKERS, check, fork_run
 
-    check(kiln_run(WORKERS / "trainer_ddp.py", str(tmp_path)))
+    check(fork_run(WORKERS / "trainer_ddp.py", str(tmp_path)))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     logged = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     train = [entry["metrics"]["train/loss"] for entry in logged if "train/loss" in entry.get("metrics", {})]
