@@ -204,11 +204,15 @@ def _forkserver():
     return _fork_context[0]
 
 
-def _fork_rank(script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None) -> None:
+def _fork_rank(
+    script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None, wrapped: bool
+) -> None:
     """In a rank forked from the server: the environment, cwd and output files of a fresh process,
-    then the script under kiln.launch.worker; exits with the status `python -m kiln.launch.worker`
-    would (0, the script's SystemExit code, 1 after an uncaught exception)."""
+    then the script, under kiln.launch.worker when ``wrapped`` (as `kiln run` starts it), else as
+    ``python script``; exits with the status that process would have (0, the script's SystemExit
+    code, 1 after an uncaught exception)."""
     import atexit
+    import runpy
 
     os.environ.clear()
     os.environ.update(env)
@@ -226,18 +230,75 @@ def _fork_rank(script: str, args: list[str], env: dict[str, str], out: str, err:
 
     code = 0
     try:
-        worker.main([script, *args])
+        if wrapped:
+            worker.main([script, *args])
+        else:
+            sys.argv = [script, *args]
+            sys.path[0] = os.path.dirname(os.path.realpath(script))
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would, through the worker's hook
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would (the worker's hook when wrapped)
         sys.excepthook(*sys.exc_info())
         code = 1
     atexit._run_exitfuncs()  # the interpreter's exit (kiln's teardown of the group), which os._exit skips
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _fork_job(
+    script: str | Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None,
+    wrapped: bool,
+) -> list[subprocess.CompletedProcess]:  # fmt: skip
+    """One process per environment, forked from the server; each rank's status and output.
+
+    As torchrun's agent does, once a rank has failed the others are stopped (SIGTERM, then SIGKILL
+    after 10 s) rather than left waiting in a collective for their peer. Past ``timeout`` it fails
+    with the output so far."""
+    import multiprocessing.connection
+    import tempfile
+
+    context = _forkserver()
+    with tempfile.TemporaryDirectory(prefix="kiln-fork-") as folder:
+        procs = []
+        for rank, env in enumerate(envs):
+            env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}  # parent_death: the server is the parent
+            files = (os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err"))
+            where = None if cwd is None else str(cwd)
+            proc = context.Process(target=_fork_rank, args=(str(script), list(args), env, *files, where, wrapped))
+            proc.start()
+            procs.append((proc, files))
+        deadline, stop_at = time.monotonic() + timeout, None
+        while any(proc.exitcode is None for proc, _ in procs) and time.monotonic() < deadline:
+            multiprocessing.connection.wait([proc.sentinel for proc, _ in procs if proc.exitcode is None], 0.5)
+            if stop_at is None and any(proc.exitcode not in (None, 0) for proc, _ in procs):
+                stop_at = time.monotonic() + 10
+                for proc, _ in procs:
+                    if proc.exitcode is None:
+                        proc.terminate()
+            if stop_at is not None and time.monotonic() > stop_at:
+                break
+        late = [rank for rank, (proc, _) in enumerate(procs) if proc.exitcode is None and stop_at is None]
+        for proc, _ in procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        results = []
+        for proc, (out, err) in procs:
+            with open(out, errors="replace") as o, open(err, errors="replace") as e:
+                results.append(
+                    subprocess.CompletedProcess(["fork", str(script), *args], proc.exitcode, o.read(), e.read())
+                )
+    if late:
+        raise AssertionError(
+            f"{script} {' '.join(args)} did not finish within {timeout} s (ranks {late} killed)\n"
+            f"stdout:\n{''.join(r.stdout for r in results)[-3000:]}\n"
+            f"stderr:\n{''.join(r.stderr for r in results)[-6000:]}"
+        )
+    return results
 
 
 def fork_run(
@@ -249,53 +310,35 @@ def fork_run(
     cwd: str | Path | None = None,
 ) -> subprocess.CompletedProcess:
     """What ``kiln_run(script, *args, nproc=...)`` returns for a job that runs to its end, with the
-    ranks forked from a warm server (see above): returncode 0 when every rank exited 0 (else the
-    first non-zero status), stdout and stderr each rank's in rank order."""
-    import multiprocessing.connection
-    import tempfile
+    ranks forked from the warm server (each under kiln.launch.worker, with torchrun's variables):
+    returncode 0 when every rank exited 0, else the first non-zero status; stdout and stderr each
+    rank's in rank order."""
+    port, common = str(free_port()), {**base_env(), **(env or {})}
+    envs = [
+        {
+            **common,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }  # fmt: skip
+        for r in range(nproc)
+    ]
+    results = _fork_job(script, args, envs, timeout, cwd, wrapped=True)
+    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    return subprocess.CompletedProcess(
+        [f"fork_run -n {nproc}", str(script), *args], code, "".join(r.stdout for r in results),
+        "".join(r.stderr for r in results),
+    )  # fmt: skip
 
-    context = _forkserver()
-    rank_env = {**base_env(), **(env or {})}
-    rank_env.pop("KILN_RUN_PID", None)  # kiln.launch.parent_death: the server is the parent here
-    port = str(free_port())
-    with tempfile.TemporaryDirectory(prefix="kiln-fork-") as folder:
-        procs = []
-        for rank in range(nproc):
-            variables = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": port}  # fmt: skip
-            files = (os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err"))
-            proc = context.Process(
-                target=_fork_rank,
-                args=(str(script), list(args), {**rank_env, **variables}, *files, None if cwd is None else str(cwd)),
-            )
-            proc.start()
-            procs.append((proc, files))
-        # As torchrun's agent: once a rank has failed, the others are stopped (SIGTERM, then SIGKILL
-        # after 10 s) rather than left waiting in a collective for their peer.
-        deadline, stop_at = time.monotonic() + timeout, None
-        while any(proc.exitcode is None for proc, _ in procs) and time.monotonic() < deadline:
-            multiprocessing.connection.wait([proc.sentinel for proc, _ in procs if proc.exitcode is None], 0.5)
-            if stop_at is None and any(proc.exitcode not in (None, 0) for proc, _ in procs):
-                stop_at = time.monotonic() + 10
-                for proc, _ in procs:
-                    if proc.exitcode is None:
-                        proc.terminate()
-            if stop_at is not None and time.monotonic() > stop_at:
-                break
-        late = [proc.pid for proc, _ in procs if proc.exitcode is None and stop_at is None]
-        for proc, _ in procs:
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
-        outs = [open(path, errors="replace").read() for _, files in procs for path in files[:1]]
-        errs = [open(path, errors="replace").read() for _, files in procs for path in files[1:]]
-    cmd = [f"fork_run -n {nproc}", str(script), *args]
-    if late:
-        raise AssertionError(
-            f"{' '.join(cmd)} did not finish within {timeout} s (ranks {late} killed)\n"
-            f"stdout:\n{''.join(outs)[-3000:]}\nstderr:\n{''.join(errs)[-6000:]}"
-        )
-    codes = [proc.exitcode for proc, _ in procs]
-    code = next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(cmd, code, "".join(outs), "".join(errs))
+
+def fork_ranks(
+    script: str | Path, env_for_rank, nproc: int = 2, args: tuple[str, ...] = (), timeout: float = 120
+) -> list[subprocess.CompletedProcess]:
+    """``run_ranks`` with the ranks forked from the warm server: ``python script args`` in each,
+    rank r with the variables env_for_rank(r)."""
+    envs = [{**base_env(), **{k: str(v) for k, v in env_for_rank(rank).items()}} for rank in range(nproc)]
+    return _fork_job(script, args, envs, timeout, None, wrapped=False)

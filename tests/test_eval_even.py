@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from distributed import WORKERS, check, free_port, run_ranks
+from distributed import WORKERS, check, fork_ranks, free_port
 
 TWO_RANKS = ["ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
 FOUR_RANKS = ["hybrid_fsdp_tp", "hybrid_pp_fsdp"]
@@ -33,7 +33,7 @@ def _launch(tmp_path_factory, nproc, cases):
         "MASTER_PORT": port,
         "KILN_TEST_PG_TIMEOUT": PG_TIMEOUT,
     }
-    results = run_ranks(WORKERS / "eval_even_worker.py", env, nproc=nproc, args=(str(out), *cases), timeout=400)
+    results = fork_ranks(WORKERS / "eval_even_worker.py", env, nproc=nproc, args=(str(out), *cases), timeout=400)
     ranks = []
     for rank in range(nproc):
         path = out / f"rank{rank}.json"

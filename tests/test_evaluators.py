@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import kiln
-from distributed import WORKERS, free_port, run_ranks
+from distributed import WORKERS, fork_ranks, free_port
 from kiln.callbacks import EarlyStopper
 from kiln.loggers import LoggerDestination
 from kiln.metrics import Accuracy
@@ -252,7 +252,7 @@ def test_two_sets_at_different_intervals_on_two_ranks(tmp_path):
         "MASTER_PORT": port,
         "KILN_TEST_PG_TIMEOUT": 60,
     }
-    procs = run_ranks(WORKERS / "evaluators_worker.py", env, nproc=2, args=(str(tmp_path),), timeout=160)
+    procs = fork_ranks(WORKERS / "evaluators_worker.py", env, nproc=2, args=(str(tmp_path),), timeout=160)
     for proc in procs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -73,11 +73,11 @@ def one_job(out: Path, scripts: list[dict], **kiln_run_args):
     script's name that gives its working directory and its ranks' stdout and stderr (rank 0's
     first), as its own launch would have printed them; it fails, naming the script and showing its
     output, when the script did not return on every rank."""
-    from distributed import kiln_run
+    from distributed import fork_run
 
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "scripts": scripts}))
-    job = kiln_run(__file__, str(spec), cwd=out, **kiln_run_args)
+    job = fork_run(__file__, str(spec), cwd=out, **kiln_run_args)
     ranks = range(kiln_run_args.get("nproc", 2))
 
     def result(name: str) -> tuple[Path, str, str]:
