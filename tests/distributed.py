@@ -212,8 +212,12 @@ def _fork_rank(
     ``python script``; exits with the status that process would have (0, the script's SystemExit
     code, 1 after an uncaught exception)."""
     import atexit
+    import multiprocessing
     import runpy
 
+    # The server's child was prepared as a forkserver child, which made forkserver the default
+    # start method: a DataLoader's workers would then re-run the script as their __main__.
+    multiprocessing.set_start_method("fork", force=True)
     os.environ.clear()
     os.environ.update(env)
     for path, fd in ((out, 1), (err, 2)):

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from distributed import WORKERS, base_env, check, free_port, kiln_run, run_ranks
+from distributed import WORKERS, base_env, check, fork_ranks, fork_run, free_port
 from kiln.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 
 LOOP = WORKERS / "ckpt_loop.py"
@@ -87,7 +87,7 @@ def test_ddp_hard_exit_and_sigterm_on_one_rank_resume_exactly(tmp_path):
     # processes of the one killed after it, and both resumes share one launch.
     full, killed, term = (str(tmp_path / name) for name in ("full", "killed", "term"))
     ddp = ("--strategy", "ddp")
-    died = kiln_run(LOOP, full, *ddp, "--then", killed, *ddp, "--die-after", "3")
+    died = fork_run(LOOP, full, *ddp, "--then", killed, *ddp, "--die-after", "3")
     assert died.returncode != 0 and (tmp_path / "killed/ckpt/last").resolve().name == "ep0-ba2"
     missing = [r for r in (0, 1) if not (tmp_path / f"full/final_rank{r}.pt").exists()]
     assert not missing, f"the uninterrupted run did not finish on ranks {missing}:\n{died.stderr[-3000:]}"
@@ -95,10 +95,10 @@ def test_ddp_hard_exit_and_sigterm_on_one_rank_resume_exactly(tmp_path):
     # SIGTERM reaches rank 1 only: both ranks agree, checkpoint the same batch and exit 75.
     port = free_port()
     env = lambda r: {"RANK": r, "WORLD_SIZE": 2, "LOCAL_RANK": r, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    results = run_ranks(LOOP, env, args=(term, *ddp, "--sigterm-after", "4", "--sigterm-rank", "1"), timeout=300)
+    results = fork_ranks(LOOP, env, args=(term, *ddp, "--sigterm-after", "4", "--sigterm-rank", "1"), timeout=300)
     assert [r.returncode for r in results] == [PREEMPTED_EXIT_CODE] * 2, results[1].stderr[-3000:]
     assert (tmp_path / "term/ckpt/last").resolve().name == "ep0-ba5"
 
-    check(kiln_run(LOOP, killed, *ddp, "--resume", "--then", term, *ddp, "--resume"))
+    check(fork_run(LOOP, killed, *ddp, "--resume", "--then", term, *ddp, "--resume"))
     _assert_same_final(tmp_path / "full", tmp_path / "killed", ranks=(0, 1))
     _assert_same_final(tmp_path / "full", tmp_path / "term", ranks=(0, 1))

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 if importlib.util.find_spec("deepspeed") is None:
     if "deepspeed" in os.environ.get("KILN_TEST_REQUIRE", "").split(","):
@@ -36,7 +36,7 @@ STAGES = [f"deepspeed_zero{stage}" for stage in range(4)]
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
     check(
-        kiln_run(WORKERS / "parallel_worker.py", str(out), *STAGES, timeout=400, env={"KILN_PARITY_DTYPE": "float32"})
+        fork_run(WORKERS / "parallel_worker.py", str(out), *STAGES, timeout=400, env={"KILN_PARITY_DTYPE": "float32"})
     )
     return out, json.loads((out / "parity.json").read_text())
 
@@ -78,7 +78,7 @@ def test_trainer_under_deepspeed_killed_and_autoresumed_is_bit_exact(tmp_path):
     # ckpt_trainer: dropout, shuffling, AdamW, warmup + cosine, grad_accum=2, amp_bf16, MixUp
     run, crash = tmp_path / "run", tmp_path / "crash"
     args = ("--strategy", "deepspeed", "--interval", "4ba")
-    died = kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--die-after", "17", timeout=300)
+    died = fork_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--die-after", "17", timeout=300)
     assert died.returncode != 0
     assert (crash / "ckpt/last").resolve().name == "ep2-ba16"  # mid-epoch: 6 batches per epoch on 2 ranks
     manifest = json.loads((crash / "ckpt/last/manifest.json").read_text())
@@ -88,7 +88,7 @@ def test_trainer_under_deepspeed_killed_and_autoresumed_is_bit_exact(tmp_path):
     # reseeds and builds everything anew, so what it inherits could only make it differ, not hide
     # a difference.
     check(
-        kiln_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", "--then", str(run), *args, timeout=300)
+        fork_run(WORKERS / "ckpt_trainer.py", str(crash), *args, "--autoresume", "--then", str(run), *args, timeout=300)
     )
     for rank in (0, 1):
         x, y = (torch.load(d / f"final_rank{rank}.pt", weights_only=True) for d in (run, crash))

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from distributed import WORKERS, base_env, check, kiln_run
+from distributed import WORKERS, base_env, check, fork_run
 
 RUN = WORKERS / "resume_trainer.py"
 
@@ -32,7 +32,7 @@ def _launch(argv, nproc):
         return subprocess.run(
             [sys.executable, str(RUN), *argv], env=base_env(), capture_output=True, text=True, timeout=600
         )
-    return kiln_run(RUN, *argv, nproc=nproc, timeout=600)
+    return fork_run(RUN, *argv, nproc=nproc, timeout=600)
 
 
 def assert_equal(a, b, where):

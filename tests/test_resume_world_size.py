@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from distributed import WORKERS, check, kiln_run
+from distributed import WORKERS, check, fork_run
 
 RUN = WORKERS / "world_change.py"
 
@@ -40,11 +40,11 @@ def resumed_runs(tmp_path_factory):
         assert result.returncode != 0, f"{folder.name}: the first attempt should have died"
         assert (folder / "ckpt/last").resolve().name == "ep0-ba3"
 
-    died(kiln_run(RUN, str(up), "--die-after", str(CASES[1, 2][0]), nproc=1), up)
-    result = kiln_run(RUN, str(up), "--autoresume", "--then", str(down), "--die-after", str(CASES[2, 1][0]), nproc=2)
+    died(fork_run(RUN, str(up), "--die-after", str(CASES[1, 2][0]), nproc=1), up)
+    result = fork_run(RUN, str(up), "--autoresume", "--then", str(down), "--die-after", str(CASES[2, 1][0]), nproc=2)
     assert (up / "seen_rank1_resumed.json").exists(), f"the 2-rank resume did not run:\n{result.stderr[-3000:]}"
     died(result, down)
-    check(kiln_run(RUN, str(down), "--autoresume", nproc=1))
+    check(fork_run(RUN, str(down), "--autoresume", nproc=1))
     return out
 
 
