@@ -256,8 +256,9 @@ def _fork_rank(
 def _fork_job(
     script: str | Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None,
     wrapped: bool,
-) -> list[subprocess.CompletedProcess]:  # fmt: skip
-    """One process per environment, forked from the server; each rank's status and output.
+) -> tuple[list[subprocess.CompletedProcess], int | None]:  # fmt: skip
+    """One process per environment, forked from the server; each rank's status and output, and the
+    rank that failed first (None when none did).
 
     As torchrun's agent does, once a rank has failed the others are stopped (SIGTERM, then SIGKILL
     after 10 s) rather than left waiting in a collective for their peer. Past ``timeout`` it fails
@@ -275,10 +276,12 @@ def _fork_job(
             proc = context.Process(target=_fork_rank, args=(str(script), list(args), env, *files, where, wrapped))
             proc.start()
             procs.append((proc, files))
-        deadline, stop_at = time.monotonic() + timeout, None
+        deadline, stop_at, first_failed = time.monotonic() + timeout, None, None
         while any(proc.exitcode is None for proc, _ in procs) and time.monotonic() < deadline:
             multiprocessing.connection.wait([proc.sentinel for proc, _ in procs if proc.exitcode is None], 0.5)
-            if stop_at is None and any(proc.exitcode not in (None, 0) for proc, _ in procs):
+            failed = [rank for rank, (proc, _) in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if stop_at is None and failed:
+                first_failed = failed[0]  # the job's status: the cause, not the peers stopped for it
                 stop_at = time.monotonic() + 10
                 for proc, _ in procs:
                     if proc.exitcode is None:
@@ -302,7 +305,7 @@ def _fork_job(
             f"stdout:\n{''.join(r.stdout for r in results)[-3000:]}\n"
             f"stderr:\n{''.join(r.stderr for r in results)[-6000:]}"
         )
-    return results
+    return results, first_failed
 
 
 def fork_run(
@@ -315,8 +318,8 @@ def fork_run(
 ) -> subprocess.CompletedProcess:
     """What ``kiln_run(script, *args, nproc=...)`` returns for a job that runs to its end, with the
     ranks forked from the warm server (each under kiln.launch.worker, with torchrun's variables):
-    returncode 0 when every rank exited 0, else the first non-zero status; stdout and stderr each
-    rank's in rank order."""
+    returncode 0 when every rank exited 0, else the status of the rank that failed first; stdout and
+    stderr each rank's in rank order."""
     port, common = str(free_port()), {**base_env(), **(env or {})}
     envs = [
         {
@@ -331,8 +334,8 @@ def fork_run(
         }  # fmt: skip
         for r in range(nproc)
     ]
-    results = _fork_job(script, args, envs, timeout, cwd, wrapped=True)
-    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    results, first_failed = _fork_job(script, args, envs, timeout, cwd, wrapped=True)
+    code = 0 if first_failed is None else results[first_failed].returncode
     return subprocess.CompletedProcess(
         [f"fork_run -n {nproc}", str(script), *args], code, "".join(r.stdout for r in results),
         "".join(r.stderr for r in results),
@@ -345,4 +348,4 @@ def fork_ranks(
     """``run_ranks`` with the ranks forked from the warm server: ``python script args`` in each,
     rank r with the variables env_for_rank(r)."""
     envs = [{**base_env(), **{k: str(v) for k, v in env_for_rank(rank).items()}} for rank in range(nproc)]
-    return _fork_job(script, args, envs, timeout, None, wrapped=False)
+    return _fork_job(script, args, envs, timeout, None, wrapped=False)[0]

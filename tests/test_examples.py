@@ -1,9 +1,9 @@
 """The examples are the main jobs: each runs on 2 real processes and reaches >= 95% on digits.
 
-The walkthroughs run one after another in ONE `kiln run -n 2` job (tests/workers/examples_worker.py:
-each script's ``main`` as its own launch would run it, from a working directory of its own, its
-output kept per rank): the torch import, the process group and DDP's first construction are paid
-once, not once per example.
+The walkthroughs run one after another in ONE 2-rank job (tests/workers/examples_worker.py, its
+ranks forked by tests/distributed.py's fork_run: each script's ``main`` as its own launch would run
+it, from a working directory of its own, its output kept per rank): the process group and DDP's
+first construction are paid once, not once per example.
 """
 
 from __future__ import annotations

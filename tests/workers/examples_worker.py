@@ -1,4 +1,4 @@
-"""Several example scripts in turn in ONE process group (`kiln run -n N examples_worker.py SPEC`),
+"""Several example scripts in turn in ONE process group (a job of N ranks of examples_worker.py SPEC),
 each as its own `kiln run -n N <script> <args>` would run it: tests/test_examples.py's and
 tests/test_migrate.py's one job.
 
@@ -67,18 +67,18 @@ def main() -> None:
         (folder / f"rank{rank}.done").touch()
 
 
-def one_job(out: Path, scripts: list[dict], **kiln_run_args):
-    """For a test: run ``scripts`` (dicts of name, path, argv) in one `kiln run` of this file under
-    ``out`` (kiln_run's arguments: nproc, env, timeout). Returns the job and a function of a
-    script's name that gives its working directory and its ranks' stdout and stderr (rank 0's
-    first), as its own launch would have printed them; it fails, naming the script and showing its
+def one_job(out: Path, scripts: list[dict], **run_args):
+    """For a test: run ``scripts`` (dicts of name, path, argv) in one job of this file under ``out``
+    (its ranks forked by tests/distributed.py's fork_run, whose nproc, env and timeout it takes).
+    Returns the job and a function of a script's name that gives its working directory and its
+    ranks' stdout and stderr (rank 0's first), as its own launch would have printed them; it fails, naming the script and showing its
     output, when the script did not return on every rank."""
     from distributed import fork_run
 
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "scripts": scripts}))
-    job = fork_run(__file__, str(spec), cwd=out, **kiln_run_args)
-    ranks = range(kiln_run_args.get("nproc", 2))
+    job = fork_run(__file__, str(spec), cwd=out, **run_args)
+    ranks = range(run_args.get("nproc", 2))
 
     def result(name: str) -> tuple[Path, str, str]:
         folder = out / name
