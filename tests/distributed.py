@@ -173,12 +173,14 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 # which DistributedDataParallel.__init__ imports) and kiln. Tests whose subject is what the ranks
 # compute (strategies against one process, resume, checkpoints), not how they were started, fork
 # their ranks from a server that imported all that once per pytest worker (multiprocessing's
-# forkserver). Each rank is still a process of its own, in a real gloo group, running the script
+# forkserver), with torchmetrics (2 s: it imports transformers and scipy when they are installed)
+# and transformers' llama (1.5 s), which many workers build. Each rank is still a process of its own, in a real gloo group, running the script
 # under kiln.launch.worker as `kiln run` would; the launcher itself is tested by the launch tests,
 # which keep `kiln_run`.
 _FORK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.checkpoint", "kiln", "kiln.trainer",
-                 "kiln.launch.worker", "distributed"]  # fmt: skip
+                 "kiln.launch.worker", "kiln.cli.main", "torchmetrics", "transformers.models.llama.modeling_llama",
+                 "distributed"]  # fmt: skip
 _fork_context: list = []
 
 
@@ -205,11 +207,11 @@ def _forkserver():
 
 
 def _fork_rank(
-    script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None, wrapped: bool
+    script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None, wrapped: bool | str
 ) -> None:
     """In a rank forked from the server: the environment, cwd and output files of a fresh process,
-    then the script, under kiln.launch.worker when ``wrapped`` (as `kiln run` starts it), else as
-    ``python script``; exits with the status that process would have (0, the script's SystemExit
+    then the script, under kiln.launch.worker when ``wrapped`` (as `kiln run` starts it; "-m": the
+    module ``script``), else as ``python script``; exits with the status that process would have (0, the script's SystemExit
     code, 1 after an uncaught exception)."""
     import atexit
     import multiprocessing
@@ -235,7 +237,7 @@ def _fork_rank(
     code = 0
     try:
         if wrapped:
-            worker.main([script, *args])
+            worker.main([*(["-m"] if wrapped == "-m" else []), script, *args])
         else:
             sys.argv = [script, *args]
             sys.path[0] = os.path.dirname(os.path.realpath(script))
@@ -255,7 +257,7 @@ def _fork_rank(
 
 def _fork_job(
     script: str | Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None,
-    wrapped: bool,
+    wrapped: bool | str,
 ) -> tuple[list[subprocess.CompletedProcess], int | None]:  # fmt: skip
     """One process per environment, forked from the server; each rank's status and output, and the
     rank that failed first (None when none did).
@@ -315,9 +317,11 @@ def fork_run(
     timeout: float = 180,
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
+    module: bool = False,
 ) -> subprocess.CompletedProcess:
     """What ``kiln_run(script, *args, nproc=...)`` returns for a job that runs to its end, with the
-    ranks forked from the warm server (each under kiln.launch.worker, with torchrun's variables):
+    ranks forked from the warm server (each under kiln.launch.worker, with torchrun's variables;
+    ``module``: ``script`` is a module, as ``kiln run -m``):
     returncode 0 when every rank exited 0, else the status of the rank that failed first; stdout and
     stderr each rank's in rank order."""
     port, common = str(free_port()), {**base_env(), **(env or {})}
@@ -334,12 +338,19 @@ def fork_run(
         }  # fmt: skip
         for r in range(nproc)
     ]
-    results, first_failed = _fork_job(script, args, envs, timeout, cwd, wrapped=True)
+    results, first_failed = _fork_job(script, args, envs, timeout, cwd, wrapped="-m" if module else True)
     code = 0 if first_failed is None else results[first_failed].returncode
     return subprocess.CompletedProcess(
         [f"fork_run -n {nproc}", str(script), *args], code, "".join(r.stdout for r in results),
         "".join(r.stderr for r in results),
     )  # fmt: skip
+
+
+def fork_train(*argv: str, nproc: int = 2, **kwargs) -> subprocess.CompletedProcess:
+    """``kiln train ARGV --nproc-per-node NPROC`` after its relaunch: each rank runs ``kiln train
+    ARGV`` (kiln.cli.train relaunches itself as ``kiln run -n NPROC -m kiln.cli.main train ARGV``),
+    forked from the warm server. ``kwargs``: fork_run's timeout, env, cwd."""
+    return fork_run("kiln.cli.main", "train", *argv, nproc=nproc, module=True, **kwargs)
 
 
 def fork_ranks(

@@ -251,17 +251,12 @@ def test_trainer_deepspeed_config_with_another_strategy_is_an_error():
 def test_cli_run_under_deepspeed_matches_ddp(tmp_path):
     # examples/mlp.yaml (grad accumulation 2, Adam) on 2 processes, checkpointing every step: the
     # per-step losses under DeepSpeed ZeRO-2 equal kiln ddp's
-    import subprocess
+    from distributed import ROOT, fork_train
 
-    from distributed import ROOT, base_env
-
-    def run(name, *extra):
+    def run(name, *extra):  # kiln train -f examples/mlp.yaml ... --nproc-per-node 2
         argv = [
-            "train",
             "-f",
             "examples/mlp.yaml",
-            "--nproc-per-node",
-            "2",
             "--compute_config.use_zero",
             "false",
             "--max_train_steps",
@@ -276,16 +271,7 @@ def test_cli_run_under_deepspeed_matches_ddp(tmp_path):
             str(tmp_path / f"{name}.jsonl"),
             *extra,
         ]
-        check(
-            subprocess.run(
-                [sys.executable, "-m", "kiln.cli.main", *argv],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env=base_env(),
-            )
-        )
+        check(fork_train(*argv, nproc=2, cwd=ROOT, timeout=300))
         lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         return {r["step"]: r["metrics"]["train/loss"] for r in lines if "train/loss" in r.get("metrics", {})}
 

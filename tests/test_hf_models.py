@@ -24,7 +24,7 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from distributed import ROOT, WORKERS, base_env, check, fork_run  # noqa: E402
+from distributed import ROOT, WORKERS, base_env, check, fork_run, fork_train  # noqa: E402
 
 sys.path.insert(0, str(WORKERS))
 from transformers import (  # noqa: E402
@@ -317,8 +317,7 @@ def zero3_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_export")
     config = json.dumps({"model_type": "llama", **SMALL})
     (root / "run.yaml").write_text(RUN_YAML.format(config=config, save_dir=root / "ck"))
-    cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(root / "run.yaml"), "--nproc-per-node", "2"]
-    check(subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=300, cwd=ROOT))
+    check(fork_train("-f", str(root / "run.yaml"), nproc=2, timeout=300, cwd=ROOT))  # kiln train --nproc-per-node 2
     return root
 
 

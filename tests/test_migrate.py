@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from distributed import ROOT, WORKERS, base_env, check
+from distributed import ROOT, WORKERS, base_env, check, fork_train
 
 sys.path.insert(0, str(WORKERS))
 from examples_worker import one_job  # noqa: E402
@@ -109,8 +108,7 @@ def test_from_nnscaler_yaml_hook_and_merged_checkpoint(scripts):
 
 def test_from_nnscaler_yaml_under_kiln_train(tmp_path):
     env = {**base_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{base_env()['PYTHONPATH']}"}
-    cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(MIGRATE / "from_nnscaler.yaml")]
-    cmd += ["--nproc-per-node", "2", "--max_train_steps", "3", "--checkpoint.every_n_train_steps", "3"]
-    cmd += ["--checkpoint.every_n_epochs!"]
-    check(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300))
+    argv = ["-f", str(MIGRATE / "from_nnscaler.yaml"), "--max_train_steps", "3"]
+    argv += ["--checkpoint.every_n_train_steps", "3", "--checkpoint.every_n_epochs!"]
+    check(fork_train(*argv, nproc=2, cwd=tmp_path, env=env, timeout=300))  # kiln train ... --nproc-per-node 2
     assert (tmp_path / "runs" / "from_nnscaler" / "checkpoints" / "ep0-ba3" / "manifest.json").is_file()
