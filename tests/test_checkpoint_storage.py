@@ -13,7 +13,6 @@ import copy
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 import uuid
@@ -22,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from distributed import WORKERS, base_env, free_port
+from distributed import WORKERS, fork_run, free_port
 from kiln.checkpoint import (
     CheckpointError,
     CheckpointSaver,
@@ -404,22 +403,13 @@ def kiln_event(name):
 RUN = WORKERS / "ckpt_storage.py"
 
 
-def _start(env, *runs):
-    """One 2-rank launch training ``runs`` (each ``(out, save_folder, *extra)``) one after another."""
-    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(RUN)]
+def _launch(env, *runs):
+    """One 2-rank job training ``runs`` (each ``(out, save_folder, *extra)``) one after another."""
+    argv = []
     for i, (out, save_folder, *extra) in enumerate(runs):
         out.mkdir(parents=True, exist_ok=True)
-        cmd += [*(["--then"] if i else []), str(out), save_folder, *extra]
-    return subprocess.Popen(cmd, env={**base_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc):
-    try:
-        out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        argv += [*(["--then"] if i else []), str(out), save_folder, *extra]
+    return fork_run(RUN, *argv, nproc=2, env=env, timeout=240)
 
 
 def _finals(out):
@@ -430,7 +420,7 @@ def test_two_ranks_killed_in_an_upload_autoresume_from_the_bucket_bit_exact(tmp_
     run = f"s3://kiln/{uuid.uuid4().hex[:8]}"
     # the uninterrupted run, then in the same processes the one killed in its second upload
     full = (tmp_path / "full", f"{run}-full")
-    killed = _finish(_start(s3_env, full, (tmp_path / "run", run, "--kill-in-upload", "2", "--async")))
+    killed = _launch(s3_env, full, (tmp_path / "run", run, "--kill-in-upload", "2", "--async"))
     assert killed.returncode != 0, "the run should have been killed"
     missing = [r for r in range(2) if not (tmp_path / f"full/final_rank{r}.pt").exists()]
     assert not missing, f"the uninterrupted run did not finish on ranks {missing}:\n{killed.stderr[-3000:]}"
@@ -442,7 +432,7 @@ def test_two_ranks_killed_in_an_upload_autoresume_from_the_bucket_bit_exact(tmp_
     assert {"rank0.pt", "rank1.pt"} <= _files(bucket / second)  # part of it is in the bucket
     assert verify_checkpoint(bucket / "last")["world_size"] == 2
 
-    resumed = _finish(_start(s3_env, (tmp_path / "run", run, "--async")))
+    resumed = _launch(s3_env, (tmp_path / "run", run, "--async"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for a, b in zip(_finals(tmp_path / "full"), _finals(tmp_path / "run")):
         assert a["batch"] == b["batch"] == 12
