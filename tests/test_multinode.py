@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import ROOT, WORKERS, base_env, check, free_port, kiln_run
+from distributed import ROOT, WORKERS, base_env, check, fork_run, free_port
 from kiln.cli.run import torchrun_args
 
 # The module's drills run once, in the setup of whichever test asks first: 2-4 minutes of real
@@ -76,21 +76,6 @@ def _wait(procs, timeout: float, logs) -> None:
                 q.kill()  # its workers die with it (the parent-death signal)
             text = "\n".join(Path(x).read_text()[-3000:] for x in logs)
             raise AssertionError(f"a launcher did not finish:\n{text}") from None
-
-
-def _kiln_run_started(script: Path, *args: str, nproc: int) -> subprocess.Popen:
-    """`kiln run -n nproc script args` started in the background (see :func:`_finished`)."""
-    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", str(nproc), str(script), *args]
-    return subprocess.Popen(cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finished(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # its workers die with it (the parent-death signal)
-        out, err = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _listening(port: int) -> bool:
@@ -157,14 +142,14 @@ def drills(tmp_path_factory):
     _wait([p for p, _ in pair], 240, [log for _, log in pair])
     for proc, log in pair:
         assert proc.returncode == 0, log.read_text()[-4000:]
-    check(kiln_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", timeout=240))
+    check(fork_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", timeout=240))  # the reference: 2 ranks
     # the same for a config-CLI job (examples/mlp.yaml: 2 ranks, a checkpoint every step)
     port = free_port()
     pair = _start_pair(port, runs["cli_two_nodes"], tmp, "2", target=_cli_job(runs["cli_two_nodes"]))
     _wait([p for p, _ in pair], 240, [log for _, log in pair])
     for proc, log in pair:
         assert proc.returncode == 0, log.read_text()[-4000:]
-    check(kiln_run("kiln.cli.main", *_cli_job(runs["cli_one_node"])[2:], extra=["-m"], timeout=240, cwd=ROOT))
+    check(fork_run("kiln.cli.main", *_cli_job(runs["cli_one_node"])[2:], module=True, timeout=240, cwd=ROOT))
     # 2. an elastic job loses a node and goes on alone, then takes a node in again
     return runs, _elastic_drill(tmp, runs)
 
@@ -192,24 +177,17 @@ def _elastic_drill(tmp: Path, runs: dict[str, Path]) -> str:
         time.sleep(0.1)
     assert joining_ready.exists(), (tmp / "elastic-joining.log").read_text()[-3000:]
     joining_go.touch()  # the node comes back while the job holds at batch 8 at world size 1
-    # meanwhile, the world-size-1 reference: a single launcher resumed from the checkpoint at batch 4
-    alone_reference = _kiln_run_started(
-        SCRIPT, str(runs["reference"]), "--load", str(runs["elastic"] / "ckpt" / "ep0-ba4"), nproc=1
-    )
-    # the world-size-2 reference: a single launcher of 2 processes resumed from the checkpoint the
-    # world-size-1 worker wrote when the agent stopped it to take the node in (a checkpoint's
-    # folder appears complete, renamed from a temporary one); started as soon as it is there
-    checkpoint = runs["elastic"] / "ckpt" / f"ep0-ba{HOLD_AT}"
-    while not checkpoint.exists():
-        assert staying.poll() is None and time.monotonic() < deadline, staying_log.read_text()[-4000:]
-        time.sleep(0.1)
-    rejoined_reference = _kiln_run_started(SCRIPT, str(runs["rejoined_reference"]), "--load", str(checkpoint), nproc=2)
     _wait([staying, dying, joining], 300, [staying_log, dying_log, tmp / "elastic-joining.log"])
     assert dying.returncode == -9
     assert staying.returncode == 0, staying_log.read_text()[-4000:]
     assert joining.returncode == 0, (tmp / "elastic-joining.log").read_text()[-4000:]
-    check(_finished(alone_reference, 240))
-    check(_finished(rejoined_reference, 240))
+    # The references, each the elastic job's checkpoint resumed by one job of a fixed world size
+    # (ranks forked: tests/distributed.py's fork_run): world size 1 from the checkpoint at batch 4;
+    # world size 2 from the one the world-size-1 worker wrote when its agent stopped it to take the
+    # node in.
+    check(fork_run(SCRIPT, str(runs["reference"]), "--load", str(runs["elastic"] / "ckpt" / "ep0-ba4"), nproc=1))
+    checkpoint = runs["elastic"] / "ckpt" / f"ep0-ba{HOLD_AT}"
+    check(fork_run(SCRIPT, str(runs["rejoined_reference"]), "--load", str(checkpoint), nproc=2))
     return staying_log.read_text()
 
 
