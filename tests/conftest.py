@@ -34,44 +34,43 @@ def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -
         report.longrepr = f"KILN_TEST_REQUIRE names {found.group(1).partition('.')[0]}, so this must run: {reason}"
 
 
-# The files that take longest (a minute or more each under `make test` on a loaded 2-core machine),
-# longest first; the rest follow in their usual order. `make test` hands whole files to its
-# pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder), each taking the next
-# file as it finishes one, so no worker is left running a long file alone at the end.
+# The files that take longest (15 s to 2 min each under `make test` on this 2-core machine, read
+# from a whole run), longest first; the rest follow in their usual order. `make test` hands whole
+# files to its pytest-xdist workers in this order (--dist loadfile --no-loadscope-reorder), each
+# taking the next file as it finishes one, so no worker is left running a long file alone at the end.
 LONGEST_FIRST = (
-    "test_multinode.py",  # drills of real launchers: 2-4 min (issue 24)
+    "test_multinode.py",  # drills of real launchers (issue 24)
     "test_clean_exit.py",
-    "test_deepspeed.py",
-    "test_resume_full.py",
-    "test_migrate.py",
-    "test_expert_parallel.py",
-    "test_examples.py",
-    "test_packaging.py",
     "test_launch_join.py",
-    "test_hygiene.py",
-    "test_hf_models.py",
-    "test_plan_vs_real.py",
-    "test_checkpoint_storage.py",
-    "test_levers.py",
-    "test_cli_train.py",
-    "test_checkpoint_resume.py",
-    "test_eval_even.py",
-    "test_fault_tolerance.py",
-    "test_pipeline_zero_bubble.py",
-    "test_golden_runs.py",
-    "test_moe_example.py",
-    "test_plan_search.py",
-    "test_context_parallel.py",
-    "test_parallel.py",
-    "test_docs.py",
+    "test_packaging.py",
+    "test_examples.py",
     "test_run_stop.py",
-    "test_parallel_sgd.py",
     "test_timeouts.py",
+    "test_deepspeed.py",
+    "test_levers.py",
+    "test_checkpoint_storage.py",
+    "test_plan_vs_real.py",
     "test_launch.py",
-    "test_lm_example.py",
-    "test_slurm.py",
+    "test_fault_tolerance.py",
+    "test_cli_train.py",
+    "test_hf_models.py",
+    "test_fault_tolerance_fsdp.py",
+    "test_docs.py",
+    "test_checkpoint_fuzz.py",
+    "test_hygiene.py",
+    "test_checkpoint_crash.py",
+    "test_hf_datasets.py",
+    "test_resume_full.py",
+    "test_parallel_sgd.py",
+    "test_migrate.py",
+    "test_dry_run.py",
     "test_quiet_imports.py",
-    "test_resume_world_size.py",
+    "test_expert_parallel.py",
+    "test_checkpoint_resume.py",
+    "test_gpu_check.py",
+    "test_parallel.py",
+    "test_golden_runs.py",
+    "test_fault_tolerance_cli.py",
 )
 
 
