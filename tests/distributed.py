@@ -174,9 +174,10 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 # compute (strategies against one process, resume, checkpoints), not how they were started, fork
 # their ranks from a server that imported all that once per pytest worker (multiprocessing's
 # forkserver), with torchmetrics (2 s: it imports transformers and scipy when they are installed)
-# and transformers' llama (1.5 s), which many workers build. Each rank is still a process of its own, in a real gloo group, running the script
-# under kiln.launch.worker as `kiln run` would; the launcher itself is tested by the launch tests,
-# which keep `kiln_run`.
+# and transformers' llama (1.5 s), which many workers build. Each rank is still a process of its
+# own, in a real gloo group, running the script under kiln.launch.worker as `kiln run` would; the
+# launcher itself is tested by the launch tests, which keep `kiln_run`. A test that checks what a
+# fresh process has NOT imported needs a process of its own (tests/test_quiet_imports.py).
 _FORK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
                  "torch.distributed.tensor", "torch.distributed.checkpoint", "kiln", "kiln.trainer",
                  "kiln.launch.worker", "kiln.cli.main", "torchmetrics", "transformers.models.llama.modeling_llama",
@@ -211,8 +212,8 @@ def _fork_rank(
 ) -> None:
     """In a rank forked from the server: the environment, cwd and output files of a fresh process,
     then the script, under kiln.launch.worker when ``wrapped`` (as `kiln run` starts it; "-m": the
-    module ``script``), else as ``python script``; exits with the status that process would have (0, the script's SystemExit
-    code, 1 after an uncaught exception)."""
+    module ``script``), else as ``python script``; exits with the status that process would have
+    (0, the script's SystemExit code, 1 after an uncaught exception)."""
     import atexit
     import multiprocessing
     import runpy
