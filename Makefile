@@ -69,9 +69,14 @@ bench: $(STAMP)
 # the rest in one line and exits 0. It runs in the environment `make install` builds (torch, the
 # dev extra: pytest, transformers, torchao), built first only when there is none: a GPU machine
 # may have no package index, so an existing one is used as it is, even if pyproject.toml is newer.
+# GPU_CHECK_PY=python3: a machine with no package index whose python3 already has a CUDA torch
+# (the GPU machines lent to this project's sessions) runs with that interpreter and kiln from src/,
+# building nothing; the fp8 part then needs torchao on PYTHONPATH (docs/gpu.md).
 GPU_CHECK_OUT ?= runs/gpu_check
-gpu-check: $(if $(wildcard $(STAMP)),,$(STAMP))
-	$(PY) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
+GPU_CHECK_PY ?=
+gpu-check: $(if $(GPU_CHECK_PY)$(wildcard $(STAMP)),,$(STAMP))
+	$(if $(GPU_CHECK_PY),PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_CHECK_PY),$(PY)) \
+		benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
