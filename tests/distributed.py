@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -182,38 +183,34 @@ _FORK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dyna
                  "torch.distributed.tensor", "torch.distributed.checkpoint", "kiln", "kiln.trainer",
                  "kiln.launch.worker", "kiln.cli.main", "torchmetrics", "transformers.models.llama.modeling_llama",
                  "distributed"]  # fmt: skip
-_fork_context: list = []
 
 
+@functools.cache
 def _forkserver():
+    """The forkserver context, its server started (once per pytest worker)."""
     import multiprocessing
     import multiprocessing.forkserver
 
-    if not _fork_context:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_FORK_PRELOAD)
-        # The server starts with this environment: the tests' import path (the server imports this
-        # module to run _fork_rank) and one OpenMP thread, which libgomp reads when torch loads.
-        saved = dict(os.environ)
-        env = base_env()
-        os.environ.update({"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(Path(__file__).parent),
-                           "OMP_NUM_THREADS": "1"})  # fmt: skip
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _fork_context.append(context)
-    return _fork_context[0]
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_FORK_PRELOAD)
+    # The server starts with this environment: the tests' import path (the server imports this
+    # module to run _fork_rank) and one OpenMP thread, which libgomp reads when torch loads.
+    saved = dict(os.environ)
+    os.environ.update({"PYTHONPATH": base_env()["PYTHONPATH"] + os.pathsep + str(Path(__file__).parent),
+                       "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return context
 
 
-def _fork_rank(
-    script: str, args: list[str], env: dict[str, str], out: str, err: str, cwd: str | None, wrapped: bool | str
-) -> None:
+def _fork_rank(argv: list[str], worker: bool, env: dict[str, str], out: str, err: str, cwd: str | None) -> None:
     """In a rank forked from the server: the environment, cwd and output files of a fresh process,
-    then the script, under kiln.launch.worker when ``wrapped`` (as `kiln run` starts it; "-m": the
-    module ``script``), else as ``python script``; exits with the status that process would have
-    (0, the script's SystemExit code, 1 after an uncaught exception)."""
+    then ``python -m kiln.launch.worker ARGV`` when ``worker`` (as `kiln run` starts a rank), else
+    ``python ARGV``; exits with the status that process would have (0, the script's SystemExit
+    code, 1 after an uncaught exception)."""
     import atexit
     import multiprocessing
     import runpy
@@ -233,21 +230,21 @@ def _fork_rank(
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))
-    from kiln.launch import worker
+    from kiln.launch import worker as kiln_worker
 
     code = 0
     try:
-        if wrapped:
-            worker.main([*(["-m"] if wrapped == "-m" else []), script, *args])
+        if worker:
+            kiln_worker.main(argv)
         else:
-            sys.argv = [script, *args]
-            sys.path[0] = os.path.dirname(os.path.realpath(script))
-            runpy.run_path(script, run_name="__main__")
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would (the worker's hook when wrapped)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would (through kiln's worker hook)
         sys.excepthook(*sys.exc_info())
         code = 1
     atexit._run_exitfuncs()  # the interpreter's exit (kiln's teardown of the group), which os._exit skips
@@ -257,11 +254,10 @@ def _fork_rank(
 
 
 def _fork_job(
-    script: str | Path, args: tuple[str, ...], envs: list[dict[str, str]], timeout: float, cwd: str | Path | None,
-    wrapped: bool | str,
-) -> tuple[list[subprocess.CompletedProcess], int | None]:  # fmt: skip
-    """One process per environment, forked from the server; each rank's status and output, and the
-    rank that failed first (None when none did).
+    argv: list[str], worker: bool, envs: list[dict[str, str]], timeout: float, cwd: str | Path | None
+) -> tuple[list[subprocess.CompletedProcess], int | None]:
+    """One process per environment (see _fork_rank), forked from the server; each rank's status and
+    output, and the rank that failed first (None when none did).
 
     As torchrun's agent does, once a rank has failed the others are stopped (SIGTERM, then SIGKILL
     after 10 s) rather than left waiting in a collective for their peer. Past ``timeout`` it fails
@@ -276,7 +272,7 @@ def _fork_job(
             env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}  # parent_death: the server is the parent
             files = (os.path.join(folder, f"{rank}.out"), os.path.join(folder, f"{rank}.err"))
             where = None if cwd is None else str(cwd)
-            proc = context.Process(target=_fork_rank, args=(str(script), list(args), env, *files, where, wrapped))
+            proc = context.Process(target=_fork_rank, args=(argv, worker, env, *files, where))
             proc.start()
             procs.append((proc, files))
         deadline, stop_at, first_failed = time.monotonic() + timeout, None, None
@@ -299,12 +295,10 @@ def _fork_job(
         results = []
         for proc, (out, err) in procs:
             with open(out, errors="replace") as o, open(err, errors="replace") as e:
-                results.append(
-                    subprocess.CompletedProcess(["fork", str(script), *args], proc.exitcode, o.read(), e.read())
-                )
+                results.append(subprocess.CompletedProcess(["fork", *argv], proc.exitcode, o.read(), e.read()))
     if late:
         raise AssertionError(
-            f"{script} {' '.join(args)} did not finish within {timeout} s (ranks {late} killed)\n"
+            f"{' '.join(argv)} did not finish within {timeout} s (ranks {late} killed)\n"
             f"stdout:\n{''.join(r.stdout for r in results)[-3000:]}\n"
             f"stderr:\n{''.join(r.stderr for r in results)[-6000:]}"
         )
@@ -339,7 +333,8 @@ def fork_run(
         }  # fmt: skip
         for r in range(nproc)
     ]
-    results, first_failed = _fork_job(script, args, envs, timeout, cwd, wrapped="-m" if module else True)
+    argv = [*(["-m"] if module else []), str(script), *args]
+    results, first_failed = _fork_job(argv, True, envs, timeout, cwd)
     code = 0 if first_failed is None else results[first_failed].returncode
     return subprocess.CompletedProcess(
         [f"fork_run -n {nproc}", str(script), *args], code, "".join(r.stdout for r in results),
@@ -360,4 +355,4 @@ def fork_ranks(
     """``run_ranks`` with the ranks forked from the warm server: ``python script args`` in each,
     rank r with the variables env_for_rank(r)."""
     envs = [{**base_env(), **{k: str(v) for k, v in env_for_rank(rank).items()}} for rank in range(nproc)]
-    return _fork_job(script, args, envs, timeout, None, wrapped=False)[0]
+    return _fork_job([str(script), *args], False, envs, timeout, None)[0]
