@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kiln.loggers import flushing
 from kiln.loggers.destination import LoggerDestination
 
 __all__ = ["ConsoleLogger"]
@@ -49,11 +50,15 @@ class ConsoleLogger(LoggerDestination):
         self.log_interval = log_interval
         self.stream = stream
         self.time_format = time_format
+        self.flush_secs = flushing.DEFAULT_FLUSH_SECS
 
     def _write(self, line: str) -> None:
         if self.time_format is not None:
             line = f"{time.strftime(self.time_format, time.localtime())} {line}"
         print(line, file=self.stream if self.stream is not None else sys.stdout)
+        # stdout redirected to a file (nohup, SLURM, a launcher's log) is block-buffered: the
+        # flush timer writes the line out within flush_secs, so a killed process still shows it.
+        flushing.mark(self)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if step is not None and step % self.log_interval != 0 and not any(key.startswith("eval/") for key in metrics):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kiln.loggers import flushing
 from kiln.loggers.destination import LoggerDestination
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ class WandBLogger(LoggerDestination):
     under ``dir`` (or ``WANDB_DIR``) and can be uploaded later with ``wandb sync``, instead of
     the run stopping at a login prompt. The run id is kept in ``state_dict``, so a run resumed
     from a checkpoint continues the same W&B run.
+
+    W&B holds the newest step's row until a later step or the run's end: a process that ends by
+    SIGTERM finishes its run first (so that row is kept; see :mod:`kiln.loggers.flushing`), and
+    one that ends by an exception finishes it through W&B's own exit handler.
 
     Args:
         project: W&B project name.
@@ -77,6 +82,7 @@ class WandBLogger(LoggerDestination):
         """The ``wandb`` run, started on first use."""
         if self._run is None:
             self._run = self._wandb.init(**self.init_kwargs)
+            flushing.watch(self)  # a SIGTERM finishes the run (its last row) before the process ends
         return self._run
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -99,6 +105,7 @@ class WandBLogger(LoggerDestination):
             self.init_kwargs.update(id=state["run_id"], resume="allow")
 
     def close(self, state: State | None = None, logger: Any = None) -> None:
+        flushing.unwatch(self)
         if self._run is not None:
             self._run.finish()
             self._run = None
