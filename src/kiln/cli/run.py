@@ -8,11 +8,19 @@ runs the script unchanged after arming what torchrun lacks:
 * Stopping. Every worker dies with this process, whatever ends it (SIGKILL included: the
   parent-death signal). Ctrl-C reaches every worker through torchrun, which waits for them; the
   workers print nothing and this process prints one line and exits 130 (128 + the signal).
-* Failures. Each failed worker leaves a report (:mod:`kiln.launch.failures`), and the summary
-  line names the rank that failed on its own first, with its exception, message and ``file:line``;
-  ranks that only lost their peer are said to, never blamed, and in a multi-node job the
-  surviving node says which node went away. torch's own lines that the summary replaces
-  (closing signals, "failed (exitcode ...)") are left out.
+* Failures. A script that does not compile is one line before any worker starts. Each failed
+  worker leaves a report and its traceback in its error file and prints nothing
+  (:mod:`kiln.launch.failures`); this process prints the traceback of the rank that failed on its
+  own first, once, then one line naming that rank, its exception, message and ``file:line``, with
+  the other ranks grouped (failed the same way, lost their peer, were stopped), at any world size.
+  An argument kiln refused (``strategy="ddpp"``) is that line alone, at the user's line that made
+  the call. Ranks that only lost their peer are never blamed, and in a multi-node job the
+  surviving node says which node went away. torch's own lines that the summary replaces (closing
+  signals, "failed (exitcode ...)") are left out. With ``--redirects``/``--tee`` (or
+  ``KILN_DEBUG=1``) each failed rank prints its own traceback, into its log, as before.
+* Restarts (``--max-restarts``): the same traceback and line for the attempt that failed, naming
+  the rank that died first and how (``killed by SIGKILL``, as the OOM killer leaves it), then the
+  restart.
 * Preemption. SIGUSR1 (SLURM's warning ahead of a time limit) is passed on to the workers, which
   torchrun does not do; workers that checkpointed and exited with the preemption status (75) are
   said to have been preempted, and this process exits 75 too.
@@ -168,6 +176,12 @@ def run(args: argparse.Namespace) -> int:
             f"kiln run: script {args.script!r} does not exist (pass a Python file, or -m for a module)", file=sys.stderr
         )
         return 2
+    if not args.module:
+        # Found here in a moment, not by N workers after importing torch (~20 s), each with a traceback
+        error = compile_error(args.script)
+        if error is not None:
+            print(f"kiln run: {error}; no worker was started", file=sys.stderr)
+            return 1
     if not str(args.nproc_per_node).isdigit() and args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu"):
         print(
             f"kiln run: -n {args.nproc_per_node!r} is not a process count; expected an integer or auto/cpu/gpu",
@@ -192,34 +206,69 @@ def run(args: argparse.Namespace) -> int:
     if "OMP_NUM_THREADS" not in os.environ and args.nproc_per_node != "1":
         # what torchrun does for several workers per node, without its four-line banner about it
         os.environ["OMP_NUM_THREADS"] = "1"
+    from kiln.launch.failures import LAUNCHER_PRINTS_ENV
+
+    # The workers' tracebacks go to their error files and this process prints the first one;
+    # with --redirects/--tee a rank's log is where its traceback belongs, so each prints its own.
+    tracebacks = args.redirects is None and args.tee is None and os.environ.get("KILN_DEBUG") != "1"
+    if tracebacks:
+        os.environ[LAUNCHER_PRINTS_ENV] = "1"
+    else:
+        os.environ.pop(LAUNCHER_PRINTS_ENV, None)
     _quiet_replaced_torch_lines()
     if args.log_dir is not None or args.redirects is not None or args.tee is not None:
-        return _launch(argv, None, _single_node(args))  # the user's folder: left as torchrun leaves it
+        return _launch(argv, None, _single_node(args), tracebacks)  # the user's folder: left as torchrun leaves it
     # A log folder of our own: the workers' error files are found there even when torchrun's agent
     # ends on another error, and it is removed afterwards (torch leaves a torchelastic_* folder).
     log_dir = tempfile.mkdtemp(prefix="kiln-run-")
     try:
         return _launch(
-            torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir})), log_dir, _single_node(args)
+            torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir})),
+            log_dir,
+            _single_node(args),
+            tracebacks,
         )
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def compile_error(script: str) -> str | None:
+    """``SyntaxError: invalid syntax (train.py:3)`` when ``script`` does not compile; None when it does.
+
+    Compiled as the worker compiles it (:func:`kiln.launch.worker.run_target`), named as the user
+    gave it on the command line.
+    """
+    import warnings
+
+    try:
+        with open(script, "rb") as f:
+            source = f.read()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a SyntaxWarning: each worker shows it, as python would
+            compile(source, script, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"{exc.filename or script}:{exc.lineno}" if exc.lineno else exc.filename or script
+        return f"{type(exc).__name__}: {exc.msg} ({where})"
+    except (ValueError, OSError) as exc:  # null bytes in the source (3.11); an unreadable file
+        return f"{type(exc).__name__}: {exc} ({script})"
+    return None
 
 
 def _single_node(args: argparse.Namespace) -> bool:
     return str(args.nnodes) in ("1", "1:1")
 
 
-def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
-    """torchrun's agent in this process; the exit status, after one line on failure or a signal."""
+def _launch(argv: list[str], log_dir: str | None, single_node: bool, tracebacks: bool = False) -> int:
+    """torchrun's agent in this process; the exit status, after one line on failure or a signal
+    (after the first failed rank's traceback too, with ``tracebacks``: the workers printed none)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
 
-    from kiln.launch.failures import find_reports, print_line, summarize_reports
+    from kiln.launch.failures import explain, find_failures, print_line
 
-    _ElasticNews.install(log_dir, single_node)  # after torch's import, which sets its loggers' levels
+    _ElasticNews.install(log_dir, single_node, tracebacks)  # after torch's import, which sets its loggers' levels
     forwarding = _forward_sigusr1()
     try:
         # torchrun's run(), not its @record main(): that would log the failing rank's error file
@@ -244,17 +293,27 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool) -> int:
                 "the same command resumes from it (autoresume)"
             )
             return PREEMPTED_EXIT_CODE
-        line = describe_failure(failed, single_node) if failed is not None else None
-        if line is None and log_dir is not None:
-            line = summarize_reports(find_reports(log_dir), single_node)
-        if line is None and os.environ.get("KILN_DEBUG") == "1":
+        found = getattr(failed, "failures", None) or (find_failures(log_dir) if log_dir is not None else None)
+        if found:
+            print_summary(explain(found, single_node), tracebacks)
+            return 1
+        if os.environ.get("KILN_DEBUG") == "1":
             raise
-        print_line(f"kiln run: {line or describe_failure(exc) + ' (KILN_DEBUG=1 shows the traceback)'}")
+        print_line(f"kiln run: {describe_failure(failed or exc)} (KILN_DEBUG=1 shows the traceback)")
         return 1
     finally:
         if forwarding is not None:
             signal.signal(signal.SIGUSR1, forwarding)
     return 0
+
+
+def print_summary(summary: Any, tracebacks: bool, after: str = "") -> None:
+    """The traceback (with ``tracebacks``) and the ``kiln run:`` line of a
+    :class:`kiln.launch.failures.Summary`, in one write: nothing of another process lands between."""
+    from kiln.launch.failures import print_line
+
+    line = f"kiln run: {summary.line}{after}"
+    print_line(f"{summary.traceback}\n{line}" if tracebacks and summary.traceback else line)
 
 
 def _preempted(failed: Any) -> bool:
@@ -355,40 +414,48 @@ def _quiet_replaced_torch_lines() -> None:
 
 class _ElasticNews(logging.Filter):
     """One line from the agent's own log records when the worker group restarts: which rank failed
-    (or which node went away), the restart, nodes waiting to join, and the world size the job
-    continues with when it changed. torch logs these at INFO, below what it shows by default."""
+    first and how (or which node went away), after its traceback, the restart, nodes waiting to
+    join, and the world size the job continues with when it changed. torch logs these at INFO,
+    below what it shows by default."""
 
     _FAILED = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
     _JOINING = "[%s] Detected %s new nodes from group_rank=%s; will restart worker group"
     _AGENT = "torch.distributed.elastic.agent.server.api"
+    # The failures the agent saw last (rank -> ProcessFailure, exit status and error file), kept by
+    # _remember_failures: the restart record does not carry them, and the error files alone miss a
+    # rank killed by a signal (the OOM killer's SIGKILL leaves none), naming instead its peer.
+    failures: dict[int, Any] = {}  # one agent per process
 
-    def __init__(self, log_dir: str | None, single_node: bool, shown: int) -> None:
+    def __init__(self, log_dir: str | None, single_node: bool, shown: int, tracebacks: bool) -> None:
         super().__init__()
-        self.log_dir, self.single_node, self.shown = log_dir, single_node, shown
+        self.log_dir, self.single_node, self.shown, self.tracebacks = log_dir, single_node, shown, tracebacks
         self.world: tuple[int, int] | None = None  # (nodes, processes) of the last rendezvous
 
     @classmethod
-    def install(cls, log_dir: str | None, single_node: bool) -> None:
+    def install(cls, log_dir: str | None, single_node: bool, tracebacks: bool = False) -> None:
         import torch.distributed.elastic.agent.server.api  # noqa: F401 - its import sets the logger's level
 
         logger = logging.getLogger(cls._AGENT)
         for old in [f for f in logger.filters if isinstance(f, cls)]:
             logger.removeFilter(old)
-        logger.addFilter(cls(log_dir, single_node, logger.getEffectiveLevel()))
+        logger.addFilter(cls(log_dir, single_node, logger.getEffectiveLevel(), tracebacks))
         logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+        _remember_failures()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from kiln.launch.failures import find_reports, print_line, summarize_reports
+        from kiln.launch.failures import explain, find_failures, print_line
 
         args: Any = record.args
         try:
             if record.msg == self._FAILED:
                 _, state, left, most = args
-                why = summarize_reports(find_reports(self.log_dir), self.single_node) if self.log_dir else None
-                print_line(
-                    f"kiln run: {why or f'the worker group is {state}'}; "
-                    f"restarting the workers ({int(left) - 1} of {most} restarts left after this one)"
-                )
+                found = self.failures or (find_failures(self.log_dir) if self.log_dir else {})
+                summary = explain(found, self.single_node) if found else None
+                restart = f"; restarting the workers ({int(left) - 1} of {most} restarts left after this one)"
+                if summary is None:
+                    print_line(f"kiln run: the worker group is {state}{restart}")
+                else:
+                    print_summary(summary, self.tracebacks, after=restart)
             elif record.msg == self._JOINING:
                 joined = int(args[1])
                 print_line(
@@ -407,6 +474,29 @@ class _ElasticNews(logging.Filter):
         except Exception:  # noqa: BLE001, S110 - news must never stop the agent
             pass
         return record.levelno >= self.shown
+
+
+def _remember_failures() -> None:
+    """Keep what torch's agent found when it last looked at its workers in ``_ElasticNews.failures``.
+
+    ``LocalElasticAgent._monitor_workers`` returns the failures (by global rank) to a loop that
+    logs the restart without them; torch has no hook for them, so its method is wrapped, in this
+    process only (kiln run's own). Without the method (another torch), the restart line is made
+    from the workers' error files alone.
+    """
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if monitor is None or getattr(monitor, "_kiln_remembers", False):
+        return
+
+    def _monitor_workers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = monitor(self, *args, **kwargs)
+        _ElasticNews.failures = dict(getattr(result, "failures", None) or {})
+        return result
+
+    _monitor_workers._kiln_remembers = True  # type: ignore[attr-defined]  # a mark, so it is wrapped once
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
 
 
 def _count(n: int, noun: str) -> str:

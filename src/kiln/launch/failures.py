@@ -17,11 +17,24 @@ Each report is classified:
   away and why.
 * ``interrupted``: the rank was stopped by Ctrl-C.
 
-The launcher reads the reports after torchrun has stopped every worker and prints one line
-(:func:`summarize`)::
+A report is ``brief`` when its one line says all there is to say, so no traceback is shown for it:
+a ``SyntaxError`` (named at its own ``file:line``), and a ``ValueError`` or ``kiln.LaunchError``
+that kiln itself raised about what it was given (``strategy="ddpp"``: the user's line that made the
+call is the ``where``; kiln's frames below it would say nothing more).
 
+Under ``kiln run`` the workers print no traceback of their own (:data:`LAUNCHER_PRINTS_ENV`): it is
+in their error file, and the launcher reads the reports after torchrun has stopped every worker
+and prints the traceback of the rank that failed on its own first, once, then one line
+(:func:`explain`); ranks that failed the same way, lost their peer or were stopped are grouped in
+that line, so its length does not grow with the world size::
+
+    [rank1]: Traceback (most recent call last):
+    [rank1]:   File "/home/me/model.py", line 12, in forward
+    [rank1]:     raise RuntimeError("boom")
+    [rank1]: RuntimeError: boom
     kiln run: rank 1 (node 0, host h, pid 812) failed first: RuntimeError: boom (model.py:12); rank 0 lost its peer
     kiln run: node 1 (host h2) went away: its rank 1 (pid 77) failed first: RuntimeError: boom (model.py:12); rank 0 here lost its peer
+    kiln run: rank 0 (node 0, host h, pid 812) failed first: ValueError: strategy='ddpp' is not known; ... (train.py:9); ranks 1-7 failed the same way
 """
 
 from __future__ import annotations
@@ -44,12 +57,17 @@ from typing import Any
 
 __all__ = [
     "ERROR_FILE_ENV",
+    "LAUNCHER_PRINTS_ENV",
     "Report",
+    "Summary",
     "describe",
+    "explain",
+    "find_failures",
     "is_peer_loss",
     "publish",
     "read",
     "read_peer_failure",
+    "read_traceback",
     "find_reports",
     "print_line",
     "summarize",
@@ -58,6 +76,9 @@ __all__ = [
 ]
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torchrun sets it per worker: <log dir>/attempt_N/<local rank>/error.json
+# Set by `kiln run` for its workers: the launcher prints the first failure's traceback from the
+# error files, so a worker that wrote its report prints none (at 512 ranks, 512 would scroll by).
+LAUNCHER_PRINTS_ENV = "KILN_RUN_PRINTS_TRACEBACKS"
 # One line of JSON per rank that failed on its own, per torchrun attempt (a restarted group keeps
 # the store, and an earlier attempt's failure is not this one's).
 _STORE_KEY = "kiln/failures/attempt{}"
@@ -94,6 +115,7 @@ class Report:
     time: float
     gone: str | None = None  # a lost_peer rank's guess at what went away ("node 1"), when it can tell
     peer: dict[str, Any] | None = None  # a lost_peer rank: the first report of a rank that failed on its own
+    brief: bool = False  # the line says it all (a SyntaxError, a bad argument kiln refused): no traceback
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Report:
@@ -141,11 +163,13 @@ def describe(exc: BaseException, tb: TracebackType | None, interrupted: bool = F
     else:
         kind = "error"
     node, num_nodes = _int(env.get("GROUP_RANK")), _int(env.get("GROUP_WORLD_SIZE"))
+    # "invalid syntax (train.py, line 3)": the place goes to where, as for any other error
+    syntax = exc if isinstance(exc, SyntaxError) and exc.filename and exc.lineno else None
     report = Report(
         kind=kind,
         type=type(exc).__qualname__,
-        message=_short_message(exc, sentence=kind == "lost_peer"),
-        where=_where(tb),
+        message=_short_message(exc, sentence=kind == "lost_peer", text=syntax.msg if syntax else None),
+        where=f"{os.path.basename(syntax.filename or '')}:{syntax.lineno}" if syntax else _where(tb),
         rank=_int(env.get("RANK")),
         local_rank=_int(env.get("LOCAL_RANK")),
         node=node,
@@ -156,7 +180,28 @@ def describe(exc: BaseException, tb: TracebackType | None, interrupted: bool = F
     )
     if kind == "lost_peer":
         report.gone = _guess_gone(exc, node, num_nodes)
+    report.brief = kind == "error" and _is_brief(exc, tb)
     return report
+
+
+def _is_brief(exc: BaseException, tb: TracebackType | None) -> bool:
+    """Whether ``exc``'s one line says it all: a syntax error, or an argument kiln refused.
+
+    kiln raises ``ValueError`` (``ConfigError`` is one) and ``LaunchError`` for what it was given,
+    naming the key, the value and the fix (STYLE.md 6); the user's frame that made the call is the
+    report's ``where``. Only when kiln's own code raised it, not torch's or the user's below, and
+    not ``raise ... from`` another error, whose traceback may be the story.
+    """
+    from kiln.launch.environments import LaunchError
+
+    if isinstance(exc, SyntaxError):
+        return True
+    if not isinstance(exc, (ValueError, LaunchError)) or exc.__cause__ is not None or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    kiln_root = os.path.join(str(Path(__file__).resolve().parents[1]), "")
+    return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(kiln_root)
 
 
 def write(report: Report, traceback_text: str, path: str | None = None) -> bool:
@@ -215,8 +260,8 @@ def _int(value: str | None) -> int | None:
     return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
 
-def _short_message(exc: BaseException, sentence: bool) -> str:
-    text = str(exc).strip()
+def _short_message(exc: BaseException, sentence: bool, text: str | None = None) -> str:
+    text = str(exc if text is None else text).strip()
     first = _SOURCE_PREFIX.sub("", text.splitlines()[0] if text else "")
     if sentence:  # gloo's "... by peer [127.0.0.1]:4242. This is typically caused by ..." : the first sentence
         first = first.split(". ", 1)[0].rstrip(".")
@@ -294,12 +339,36 @@ def _with_store(work: Callable[[Any], Any]) -> Any:
 
 
 @dataclass
+class Summary:
+    """What the launcher prints for a failed attempt: ``traceback`` (if any), then ``line``.
+
+    ``traceback`` is the one of the rank that failed on its own first, each line prefixed
+    ``[rankN]: `` as torch prefixes a rank's traceback; None when that rank's report is brief,
+    or when it left none (killed by a signal) or no rank failed on its own.
+    """
+
+    line: str
+    traceback: str | None = None
+
+
+@dataclass
+class _Failure:
+    """The part of torchrun's ``ProcessFailure`` that :func:`explain` reads."""
+
+    pid: int
+    exitcode: int
+    timestamp: float
+    error_file: str
+
+
+@dataclass
 class _Rank:
     rank: int
     pid: int
     exitcode: int
     timestamp: float
     report: Report | None
+    traceback: str | None = None
 
     @property
     def kind(self) -> str:
@@ -334,24 +403,55 @@ def read(error_file: str | None) -> Report | None:
         return None
 
 
+def read_traceback(error_file: str | None) -> str | None:
+    """The traceback a worker wrote into its error file (torch's ``py_callstack``), if any."""
+    if not error_file or not os.path.isfile(error_file):
+        return None
+    try:
+        text = json.loads(Path(error_file).read_text())["message"]["extraInfo"]["py_callstack"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def _last_attempt(log_dir: str | os.PathLike[str]) -> list[Path]:
+    files = sorted(Path(log_dir).glob("*/attempt_*/*/error.json"), key=lambda f: int(f.parts[-3].split("_")[1]))
+    return [f for f in files if f.parts[-3] == files[-1].parts[-3]] if files else []
+
+
 def find_reports(log_dir: str | os.PathLike[str]) -> list[Report]:
     """The reports of the last attempt under torchrun's ``--log-dir`` (``<run>/attempt_N/<local rank>/error.json``)."""
-    files = sorted(Path(log_dir).glob("*/attempt_*/*/error.json"), key=lambda f: int(f.parts[-3].split("_")[1]))
-    last = [f for f in files if f.parts[-3] == files[-1].parts[-3]] if files else []
-    return [r for r in map(read, map(str, last)) if r is not None and r.rank is not None]
+    return [r for r in map(read, map(str, _last_attempt(log_dir))) if r is not None and r.rank is not None]
+
+
+def find_failures(log_dir: str | os.PathLike[str]) -> dict[int, _Failure]:
+    """:func:`explain`'s input from the error files of the last attempt under ``log_dir`` alone,
+    for when torchrun's agent ended on another error before it saw its workers fail."""
+    found: dict[int, _Failure] = {}
+    for path in _last_attempt(log_dir):
+        report = read(str(path))
+        if report is not None and report.rank is not None:
+            found[report.rank] = _Failure(report.pid, 1, report.time, str(path))
+    return found
 
 
 def summarize(failures: Mapping[int, Any], single_node: bool = False) -> str:
     """One line from torchrun's failures (``ChildFailedError.failures``: rank -> ``ProcessFailure``).
 
     The rank that failed on its own first is named with its exception and ``file:line``; ranks
-    that lost their peer and ranks torchrun stopped follow, grouped. When every rank here only
-    lost its peer, the line says which node went away (from the peer's report in the store).
+    that failed the same way, failed otherwise, lost their peer or were stopped follow, grouped.
+    When every rank here only lost its peer, the line says which node went away (from the peer's
+    report in the store).
     """
-    ranks = [
-        _Rank(rank, f.pid, f.exitcode, float(f.timestamp), read(getattr(f, "error_file", None)))
-        for rank, f in sorted(failures.items())
-    ]
+    return explain(failures, single_node).line
+
+
+def explain(failures: Mapping[int, Any], single_node: bool = False) -> Summary:
+    """:func:`summarize`'s line, with the traceback of the rank it names as failing first."""
+    ranks = []
+    for rank, f in sorted(failures.items()):
+        error_file = getattr(f, "error_file", None)
+        ranks.append(_Rank(rank, f.pid, f.exitcode, float(f.timestamp), read(error_file), read_traceback(error_file)))
     return _summary(ranks, single_node)
 
 
@@ -359,12 +459,12 @@ def summarize_reports(reports: Iterable[Report], single_node: bool = False) -> s
     """:func:`summarize` from the workers' reports alone (torchrun's agent ended on another error
     before it saw its workers fail); None without reports."""
     ranks = [_Rank(r.rank, r.pid, 1, r.time, r) for r in reports if r.rank is not None]
-    return _summary(sorted(ranks, key=lambda r: r.rank), single_node) if ranks else None
+    return _summary(sorted(ranks, key=lambda r: r.rank), single_node).line if ranks else None
 
 
-def _summary(ranks: list[_Rank], single_node: bool) -> str:
+def _summary(ranks: list[_Rank], single_node: bool) -> Summary:
     if not ranks:
-        return "the job failed, but torchrun reported no failing rank"
+        return Summary("the job failed, but torchrun reported no failing rank")
     host = next((r.report.host for r in ranks if r.report), socket.gethostname())
     node = next((r.report.node for r in ranks if r.report and r.report.node is not None), 0 if single_node else None)
 
@@ -377,8 +477,15 @@ def _summary(ranks: list[_Rank], single_node: bool) -> str:
     if own:
         first = min(own, key=lambda r: (r.time, r.rank))
         line = f"{who(first)} failed first: {first.how()}"
-        line += "".join(f"; rank {r.rank} also failed: {r.how()}" for r in own if r is not first)
-        return line + _tail(ranks, skip=first)
+        # the same error on every rank (a misspelt strategy, a missing file) is one clause, not N
+        by_how: dict[str, list[int]] = {}
+        for r in sorted(own, key=lambda r: (r.time, r.rank)):
+            if r is not first:
+                by_how.setdefault(r.how(), []).append(r.rank)
+        same = by_how.pop(first.how(), [])
+        line += f"; {_group(same, 'failed the same way', 'failed the same way')}" if same else ""
+        line += "".join(f"; {_group(numbers, 'also failed', 'also failed')}: {how}" for how, numbers in by_how.items())
+        return Summary(line + _tail(ranks, skip=first), _traceback_of(first))
     if lost:
         first = min(lost, key=lambda r: (r.time, r.rank))
         peer = _first_peer(lost)
@@ -386,10 +493,10 @@ def _summary(ranks: list[_Rank], single_node: bool) -> str:
             line = (
                 f"node {peer.node} (host {peer.host}) went away: its rank {peer.rank} (pid {peer.pid}) failed first: "
             )
-            return line + peer.how() + _tail(ranks, where=" here")
+            return Summary(line + peer.how() + _tail(ranks, where=" here"))
         if peer is not None:
             line = f"rank {peer.rank} (pid {peer.pid}) failed first: {peer.how()}"
-            return line + _tail(ranks)
+            return Summary(line + _tail(ranks))
         # No rank's own failure is known: the others first, then this rank's error, whose text
         # (a heartbeat's "rank 1 did not arrive ...; last events: ...") ends the line.
         report = first.report
@@ -397,10 +504,18 @@ def _summary(ranks: list[_Rank], single_node: bool) -> str:
         gone = f"{report.gone} went away: " if report.gone else ""
         others = _tail(ranks, skip=first).removeprefix("; ")
         at = f" at {report.where}" if report.where else ""
-        return f"{gone}{others + '; ' if others else ''}{who(first)} lost its peer{at}: {report.text()}"
+        return Summary(f"{gone}{others + '; ' if others else ''}{who(first)} lost its peer{at}: {report.text()}")
     first = min(ranks, key=lambda r: (r.time, r.rank))
     line = f"{who(first)} {'was interrupted' if first.kind == 'interrupted' else 'ended first: ' + first.how()}"
-    return line + _tail(ranks, skip=first)
+    return Summary(line + _tail(ranks, skip=first))
+
+
+def _traceback_of(first: _Rank) -> str | None:
+    """``first``'s traceback as torch prints a rank's (``[rank1]: `` before each line); None when brief."""
+    if first.traceback is None or first.report is None or first.report.brief:
+        return None
+    prefix = f"[rank{first.rank}]: "
+    return "\n".join(prefix + line if line else line for line in first.traceback.rstrip("\n").split("\n"))
 
 
 def _first_peer(lost: list[_Rank]) -> Report | None:

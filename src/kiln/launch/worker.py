@@ -11,11 +11,14 @@ script's folder first on ``sys.path``.
    traceback, and no second one from a collective that failed because a peer stopped first. The
    launcher prints the one line. A SIGINT that arrives while the process is already ending (in
    ``sys.excepthook``, in ``atexit``) is recorded, not raised, so it cannot interrupt the report.
-3. The failure report (:mod:`kiln.launch.failures`): an uncaught exception is written to
-   torchrun's error file for the launcher's summary before anything is printed (a SIGTERM from
-   torchrun in the meantime waits for it), then its traceback is printed when the rank failed on
-   its own. A rank that only lost its peer (or was interrupted) prints nothing: the launcher's line
-   says it, and the crash's traceback stays the only one on screen (``KILN_DEBUG=1`` prints all).
+3. The failure report (:mod:`kiln.launch.failures`): an uncaught exception is written, with its
+   traceback, to torchrun's error file for the launcher's summary before anything is printed (a
+   SIGTERM from torchrun in the meantime waits for it). Under ``kiln run`` the worker then prints
+   nothing: the launcher prints the traceback of the rank that failed first, once, and one line
+   (every rank of a job given a misspelt strategy fails the same way; 512 copies of one traceback
+   say nothing the first does not). Started otherwise (``python -m kiln.launch.worker``), a rank
+   that failed on its own prints its traceback as Python would; one that only lost its peer (or
+   was interrupted) prints nothing either way. ``KILN_DEBUG=1`` prints every rank's.
 4. A quick end after a failure: the launcher restarts or stops the job when this process has
    ended, and Python's final garbage collection of torch's objects takes 1-3 s of a loaded CPU
    (an elastic job stepping again after a node's death waits for it); so a rank that failed or
@@ -124,23 +127,26 @@ def _on_interrupt(signum: int, frame: types.FrameType | None) -> None:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
-    tb = _script_frames(tb)
+    tb = _script_frames(tb, value)
     value.__traceback__ = tb  # Python's hook prints the exception's own traceback, not its tb argument
     try:
         with _sigterm_deferred():
             report = failures.describe(value, tb, interrupted=_interrupted)
             text = "".join(traceback.format_exception(kind, value, tb))
-            failures.write(report, text)
+            written = failures.write(report, text)
             if report.kind == "error":
                 failures.publish(report)  # before this process exits and its peers notice
             elif report.kind == "lost_peer":
                 report.peer = failures.read_peer_failure(report.rank)
-                failures.write(report, text)
+                written = failures.write(report, text)
     except Exception as exc:  # noqa: BLE001 - the report must never hide the error itself
-        report = None
+        report, written = None, False
         failures.print_line(f"kiln: could not write the failure report: {type(exc).__name__}: {exc}")
-    quiet = report is not None and report.kind in ("interrupted", "lost_peer") and os.environ.get("KILN_DEBUG") != "1"
-    if not quiet:  # Ctrl-C, or a peer that vanished: the launcher's summary line says it, once
+    # Ctrl-C, or a peer that vanished: the launcher's summary line says it, once; and under
+    # kiln run the launcher prints the first failure's traceback from the error file just written
+    launcher_prints = written and os.environ.get(failures.LAUNCHER_PRINTS_ENV) == "1"
+    quiet = report is not None and (report.kind in ("interrupted", "lost_peer") or launcher_prints)
+    if not quiet or os.environ.get("KILN_DEBUG") == "1":
         _previous_hook(kind, value, tb)
     atexit.register(_end_quickly)  # registered last, so it runs first of the exit handlers
 
@@ -159,12 +165,13 @@ def _end_quickly() -> None:
     gc.freeze()
 
 
-def _script_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without its leading frames of this module and runpy (all of it if nothing is left)."""
+def _script_frames(tb: types.TracebackType | None, value: BaseException | None = None) -> types.TracebackType | None:
+    """``tb`` without its leading frames of this module and runpy (all of it if nothing is left,
+    but for the script's own syntax error, which Python shows without frames: ``File "x.py", line 3``)."""
     start = tb
     while start is not None and _is_bootstrap(start.tb_frame.f_code.co_filename):
         start = start.tb_next
-    return start if start is not None else tb
+    return start if start is not None or isinstance(value, SyntaxError) else tb
 
 
 def _is_bootstrap(filename: str) -> bool:
