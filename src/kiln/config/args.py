@@ -346,10 +346,12 @@ class TrainerArgs:
 
 # -- files and command lines ------------------------------------------------------------------
 def _is_flag(key: str, cfg: Mapping[str, Any] | None) -> bool:
-    """Whether ``key`` is a ``bool`` field, which nnScaler lets the command line give bare."""
+    """Whether ``key`` is a boolean field (``bool``, ``bool | None``, or ``bool`` or a mapping such as
+    ``compile``), which nnScaler lets the command line give bare."""
+    from kiln.config.types import is_flag_type  # here: the module's import lines are another change's
+
     annotation = annotation_at(TrainerArgs, key, cfg)
-    arms = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    return annotation is not None and arms == [bool]
+    return annotation is not None and is_flag_type(annotation)
 
 
 def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -> list[tuple[str, Any, bool]]:
@@ -357,8 +359,15 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
     text (``--checkpoint.save_dir 001``), anything else is guessed with ``ast.literal_eval``.
 
     As in nnScaler, the ``value`` of a ``__value_type`` dict is never guessed (``--x.__value_type str
-    --x.value 1e3`` builds ``'1e3'``), and a bare boolean field (``--enable_progress_bar``) is true.
+    --x.value 1e3`` builds ``'1e3'``), a bare boolean field (``--enable_progress_bar``) is true and a
+    boolean field reads ``true/1/false/0`` in any case. A ``--vars.x`` value has no field type: it
+    stays a :class:`~kiln.config.overrides.CommandLineText`, typed by each field that references it
+    (``--vars.tag 1e3`` makes ``run-$(vars.tag)`` ``'run-1e3'``).
     """
+    # Imported here: the module's import lines belong to another change.
+    from kiln.config.overrides import CommandLineText
+    from kiln.config.types import is_flag_type, settle_text
+
     parsed = parse_overrides(argv, guess=False, flag=lambda key: _is_flag(key, cfg))
     suffix = "." + VALUE_TYPE_KEY
     value_typed = {key[: -len(suffix)] for key, _, delete in parsed if not delete and key.endswith(suffix)}
@@ -377,12 +386,14 @@ def typed_overrides(argv: Iterable[str], cfg: Mapping[str, Any] | None = None) -
             ):
                 out.append((key, raw, delete))  # converted by value_type(raw) when built: no guessing first
                 continue
-            annotation = annotation_at(TrainerArgs, key, cfg)
-            if annotation is not None and is_text_type(annotation):
-                optional = type(None) in typing.get_args(annotation)
-                raw = None if optional and raw in ("None", "null") else raw
+            if key.startswith("vars."):
+                raw = CommandLineText(raw)  # typed where it is referenced, as nnScaler does
             else:
-                raw = guess_value(raw)
+                annotation = annotation_at(TrainerArgs, key, cfg)
+                if annotation is not None and (is_text_type(annotation) or is_flag_type(annotation)):
+                    raw = settle_text(raw, annotation)  # text as typed; nnScaler's booleans
+                else:
+                    raw = guess_value(raw)
         out.append((key, raw, delete))
     return out
 

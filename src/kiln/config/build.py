@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from kiln.config.overrides import ConfigError, close_match
+from kiln.config.overrides import CommandLineText, ConfigError, close_match, guess_value
 
 __all__ = ["TYPE_KEY", "VALUE_KEY", "VALUE_TYPE_KEY", "build_value", "check_arguments", "check_value", "import_type"]
 
@@ -178,13 +178,17 @@ def build_value(obj: Any, path: str = "") -> Any:
             if name == FUNCTION_VALUE_TYPE:  # nnScaler: the value names a function to pass as it is
                 return import_type(obj[VALUE_KEY], _sub(path, VALUE_KEY))
             value_type = import_type(name, _sub(path, VALUE_TYPE_KEY))
-            value = build_value(obj[VALUE_KEY], _sub(path, VALUE_KEY))
+            raw = obj[VALUE_KEY]
+            # Text goes to value_type as it is, never guessed first (nnScaler: value_type(value)).
+            value = str(raw) if isinstance(raw, str) else build_value(raw, _sub(path, VALUE_KEY))
             return _call(value_type, [value], {}, path or "config", str(name))
         return {k: build_value(v, _sub(path, k)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [build_value(v, _sub(path, i)) for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
         return tuple(build_value(v, _sub(path, i)) for i, v in enumerate(obj))
+    if isinstance(obj, CommandLineText):  # a --vars.x value that no typed field converted
+        return guess_value(str(obj))
     return obj
 
 

@@ -8,6 +8,8 @@ Everything here works on plain dicts and lists, before any dataclass is built:
 
 * ``load_yaml`` reads the file; ``parse_overrides`` turns ``argv`` into ``(key, value, delete)``
   triples, guessing value types with ``ast.literal_eval``; ``apply_overrides`` applies them.
+  ``CommandLineText`` is a value whose type is decided where it lands (a ``--vars.x`` value);
+  ``parse_bool`` reads nnScaler's command-line booleans.
 * ``resolve_references`` replaces ``$(a.b.c)`` (or ``${a.b.c}``) with the value found at that path.
 * ``get_path``/``set_path``/``delete_path``, ``close_match`` and ``format_error`` serve the
   typed layer.
@@ -31,6 +33,7 @@ import yaml
 from kiln.core.names import close_match, did_you_mean
 
 __all__ = [
+    "CommandLineText",
     "ConfigError",
     "apply_overrides",
     "close_match",
@@ -40,6 +43,7 @@ __all__ = [
     "guess_value",
     "load_yaml",
     "merge",
+    "parse_bool",
     "parse_overrides",
     "resolve_references",
     "set_path",
@@ -47,8 +51,9 @@ __all__ = [
 
 _MISSING: Any = object()
 _REPR_LIMIT = 80
-# $(a.b) or ${a.b}; "$\(" and "$\{" escape the syntax and become "$(" and "${".
-_REFERENCE = re.compile(r"\$\(([^)]+)\)|\$\{([^}]+)\}")
+# $(a.b) or ${a.b}. "$\(" and "$\{" (nnScaler's first escape) and "$$(" and "$${" (its later one)
+# escape the syntax and become "$(" and "${": the lookbehind keeps "$$(" from being a reference.
+_REFERENCE = re.compile(r"(?<!\$)\$\(([^)]+)\)|(?<!\$)\$\{([^}]+)\}")
 
 
 class ConfigError(ValueError):
@@ -109,6 +114,31 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{name}: the top level is a {type(data).__name__}, expected a mapping of field names to values", path=name
         )
     return data
+
+
+class CommandLineText(str):
+    """Command-line text whose type is decided where it lands, not when it is read.
+
+    A ``--vars.x`` value has no field type to convert it by. nnScaler keeps such a value as the
+    text typed and converts it by the type of each field that references it, so
+    ``--vars.tag 1e3`` makes ``run-$(vars.tag)`` ``'run-1e3'`` and a ``str`` field ``'1e3'``
+    (a guess first would give ``'run-1000.0'`` and refuse the ``str`` field's ``1000.0``).
+    :func:`kiln.config.types.coerce` settles it by the field's annotation; anywhere else it is
+    guessed (:func:`guess_value`), except as the ``value`` of a ``__value_type`` dict, which only
+    that type converts.
+    """
+
+    __slots__ = ()
+
+
+def parse_bool(raw: str) -> bool | None:
+    """nnScaler's command-line booleans: ``true``/``1`` and ``false``/``0`` in any case; else ``None``."""
+    text = raw.strip().lower()
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    return None
 
 
 def guess_value(raw: str) -> Any:
@@ -338,7 +368,7 @@ class _ResolveError(ConfigError):
 
 
 def _unescape(text: str) -> str:
-    return text.replace("$\\(", "$(").replace("$\\{", "${")
+    return text.replace("$\\(", "$(").replace("$\\{", "${").replace("$$(", "$(").replace("$${", "${")
 
 
 def resolve_references(cfg: Mapping[str, Any], *, environ: Mapping[str, str] | None = os.environ) -> dict[str, Any]:
@@ -348,7 +378,8 @@ def resolve_references(cfg: Mapping[str, Any], *, environ: Mapping[str, str] | N
     otherwise the reference is formatted into the string. References to references resolve;
     a cycle is a ConfigError that names it (``a: circular reference a -> b -> a``). A name that
     is not a path in the config falls back to ``environ``, as nnScaler falls back to environment
-    variables (pass ``None`` to turn that off). ``$\\(`` escapes the syntax.
+    variables (pass ``None`` to turn that off). ``$\\(`` and ``$$(`` escape the syntax (``$$(a)`` is
+    the text ``$(a)``). A :class:`CommandLineText` formatted into a string is its text as typed.
     """
     out = copy.deepcopy(dict(cfg))
     done: set[tuple[Any, ...]] = set()

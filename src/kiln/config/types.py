@@ -8,6 +8,10 @@ and refuses unknown keys with a close match. Every error is a one-line
 
 Supported annotations: ``Any``, ``bool``, ``int``, ``float`` (an int is accepted), ``str``,
 ``Literal[...]``, ``X | None`` and other unions, ``list[X]``, ``dict[str, X]`` and nested dataclasses.
+
+A :class:`~kiln.config.overrides.CommandLineText` (a ``--vars.x`` value, referenced) takes its type
+here, from the field it reaches, as nnScaler converts its command-line text: a text field keeps
+the text, a boolean one reads ``true/1/false/0`` in any case, anything else is guessed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any, Literal, TypeGuard, Union
 
-from kiln.config.overrides import ConfigError, close_match, format_error
+from kiln.config.build import VALUE_KEY, VALUE_TYPE_KEY
+from kiln.config.overrides import CommandLineText, ConfigError, close_match, format_error, guess_value, parse_bool
 from kiln.core.names import did_you_mean
 
 __all__ = [
@@ -29,8 +34,10 @@ __all__ = [
     "check_fields",
     "field_docs",
     "is_dataclass_type",
+    "is_flag_type",
     "is_text_type",
     "prefixed",
+    "settle_text",
     "to_plain",
     "type_name",
 ]
@@ -93,6 +100,56 @@ def is_text_type(annotation: Any) -> bool:
     return False
 
 
+def is_flag_type(annotation: Any) -> bool:
+    """Whether ``annotation`` takes a boolean and no other plain value: ``bool``, ``bool | None``,
+    and ``bool | dict[...]`` (``compile``, ``float8``), which the command line may give bare."""
+    arms = [a for a in typing.get_args(annotation) if a is not _NONE] if _is_union(annotation) else [annotation]
+    others = [a for a in arms if a is not bool]
+    mappings = [a for a in others if a is dict or typing.get_origin(a) is dict or is_dataclass_type(a)]
+    return len(others) < len(arms) and mappings == others
+
+
+def settle_text(text: str, annotation: Any) -> Any:
+    """Command-line ``text`` as the field ``annotation`` reads it (nnScaler: by the field's type).
+
+    A text field keeps it (``'null'``/``'None'`` is ``None`` where the field is optional, as for
+    ``--key null``), a flag field reads ``true/1/false/0`` in any case, anything else is guessed
+    with :func:`~kiln.config.overrides.guess_value`.
+
+    Examples:
+        >>> settle_text("1e3", str | None), settle_text("0", bool), settle_text("1e3", float)
+        ('1e3', False, 1000.0)
+    """
+    raw = str(text)  # a plain str, never the CommandLineText itself
+    if annotation is not Any and is_text_type(annotation):
+        optional = annotation is _NONE or _NONE in typing.get_args(annotation)
+        return None if optional and raw in ("None", "null") else raw
+    if annotation is not Any and is_flag_type(annotation):
+        flag = parse_bool(raw)
+        if flag is not None:
+            return flag
+    return guess_value(raw)
+
+
+def _settle_any(value: Any) -> Any:
+    """``value`` for an ``Any`` field: command-line text guessed, at any depth (the same object if
+    there is none), except the ``value`` of a ``__value_type`` dict, which only that type converts."""
+    if isinstance(value, CommandLineText):
+        return guess_value(str(value))
+    if isinstance(value, dict):
+        items = {}
+        for k, v in value.items():
+            keep_text = VALUE_TYPE_KEY in value and k == VALUE_KEY and isinstance(v, str)
+            items[k] = str(v) if keep_text else _settle_any(v)
+        return items if any(items[k] is not value[k] for k in value) else value
+    if isinstance(value, (list, tuple)):
+        settled = [_settle_any(v) for v in value]
+        if all(a is b for a, b in zip(settled, value, strict=True)):
+            return value
+        return type(value)(settled) if isinstance(value, list) else tuple(settled)
+    return value
+
+
 def _expected(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if is_dataclass_type(annotation):
@@ -119,7 +176,9 @@ def coerce(value: Any, annotation: Any, path: str) -> Any:
     """``value`` checked against ``annotation`` (dicts become dataclasses, ints become floats)."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is Any:
-        return value
+        return _settle_any(value)
+    if isinstance(value, CommandLineText):
+        value = settle_text(value, annotation)
     if annotation is _NONE:
         if value is None:
             return None
