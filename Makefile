@@ -48,7 +48,7 @@ lint: $(STAMP)
 # tests/conftest.py gives them (the longest first) rather than xdist's (most tests first).
 comma := ,
 TEST_OPTIONAL := deepspeed,transformers,torchao,torchdata,datasets,matplotlib,tensorboard,wandb,mlflow,sklearn
-TEST_OPTIONAL := $(TEST_OPTIONAL),fsspec,s3fs,moto,build,mkdocs,mkdocstrings,torchft
+TEST_OPTIONAL := $(TEST_OPTIONAL),fsspec,s3fs,moto,build,mkdocs,mkdocstrings,torchft,ruff,tomli
 TEST_REQUIRE := $(TEST_OPTIONAL)$(if $(KILN_TEST_REQUIRE),$(comma)$(KILN_TEST_REQUIRE))
 TEST_WORKERS ?= 2
 test: lint $(DS_STAMP)

@@ -229,7 +229,7 @@ def test_python_blocks_name_nothing_they_do_not_define_or_import(tmp_path):
         import ruff  # noqa: F401 -- only to know it is installed
     except ImportError:
         if _required("ruff"):
-            raise
+            pytest.fail("KILN_TEST_REQUIRE names ruff, so this must run: ruff is not installed (the dev extra)")
         pytest.skip("needs ruff (the dev extra)")
     files: dict[str, list[Block]] = {}
     pending: list[Block] = []
@@ -279,7 +279,29 @@ def _load_run_file(config, overrides=(), world_size: int = 1):
     try:
         return load_trainer_args(config, list(overrides), world_size=world_size)
     except ModuleNotFoundError as e:  # an optional package the run file names (transformers)
+        package = (e.name or "").partition(".")[0]
+        if _required(package):  # `make test` names it: a skip here would hide a run file never loaded
+            pytest.fail(f"KILN_TEST_REQUIRE names {package}, so this run file must load: {e}")
         pytest.skip(f"needs {e.name}")
+
+
+def test_a_run_file_needing_a_missing_package_skips_unless_kiln_test_require_names_it(monkeypatch):
+    import kiln.config.args
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(kiln.config.args, "load_trainer_args", missing)
+    monkeypatch.setenv("KILN_TEST_REQUIRE", "torchao,ruff")
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        _load_run_file({})
+    assert str(skipped.value) == "needs transformers"
+    monkeypatch.setenv("KILN_TEST_REQUIRE", "torchao,transformers,ruff")
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as failed:  # a skip must not pass
+        _load_run_file({})
+    assert failed.type is pytest.fail.Exception and str(failed.value) == (
+        "KILN_TEST_REQUIRE names transformers, so this run file must load: No module named 'transformers'"
+    )
 
 
 @pytest.mark.parametrize("block", _yaml_blocks(), ids=lambda b: b.id)
