@@ -398,6 +398,24 @@ def test_site_builds_strictly_with_every_page_and_the_api_reference(site):
     assert 'id="kiln.trainer.trainer.Trainer"' in api and "max_duration" in api  # rendered from the docstring
 
 
+def test_getting_started_installs_torch_for_the_machine_before_kiln():
+    # `pip install -e .` into an environment without torch pulls PyPI's CUDA build (5.5 GB), GPU or not
+    text = (DOCS / "getting_started.md").read_text()
+    section = text.split("## Installing into your own environment", 1)[1].split("\n## ", 1)[0]
+    pips = [
+        line.split("#")[0].strip()
+        for block in code_blocks(section, SHELL)
+        for line in block.code.splitlines()
+        if line.startswith("pip install")
+    ]
+    assert pips[:3] == [
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu",
+        "pip install torch==2.13.0",
+        "pip install -e .",
+    ]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in section.split("```")[-1]  # for make's .venv too
+
+
 def test_readme_links_point_at_files():
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
