@@ -186,8 +186,8 @@ def part_fsdp2_bf16(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from kiln.parallel.fsdp import apply_fsdp
-    from kiln.parallel.parallelize import find_blocks
+    from kiln.parallel.transforms.data_parallel import apply_fsdp
+    from kiln.parallel.transforms.parallelize import find_blocks
     from kiln.precision import get_precision
 
     # kiln's zero3 on a world of 1 shards nothing (no mesh: only hooks), and one GPU takes one
@@ -216,7 +216,7 @@ def part_fsdp2_bf16(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]
 def part_compile_ckpt(device: Any, quick: bool) -> tuple[str, str, dict[str, Any]]:
     import torch
 
-    from kiln.parallel.levers import applied_levers
+    from kiln.parallel.transforms.levers import applied_levers
 
     dim, depth, n = (64, 2, 64) if quick or device.type == "cpu" else (512, 4, 512)
     data = _blocks_data(dim, n)

@@ -1,4 +1,4 @@
-"""Activation memory on fake tensors (kiln.parallel.activation_memory) against the memory a real
+"""Activation memory on fake tensors (kiln.cost.activations) against the memory a real
 step uses, and what `auto` and `kiln plan` do with it.
 
 The real side: one forward and backward on real tensors (the outputs held through the backward, as
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln.parallel.activation_memory import checkpointed_modules, estimate_activations
-from kiln.parallel.plan import plan_table
+from kiln.cost.activations import checkpointed_modules, estimate_activations
+from kiln.cost.memory import plan_table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -205,8 +205,8 @@ def _budget_between(model, example) -> int:
 
 
 def test_auto_checkpoints_when_activations_do_not_fit(monkeypatch):
+    from kiln.cost.auto import Auto
     from kiln.launch.context import context
-    from kiln.parallel.auto import Auto
     from kiln.parallel.single import SingleDevice
     from kiln.precision import get_precision
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import kiln
-from kiln.parallel.auto import Auto, peek_first_batch
+from kiln.cost.auto import Auto, peek_first_batch
 
 
 class NoisyDigits(Dataset):
@@ -138,7 +138,7 @@ def test_auto_by_name_on_two_ranks(tmp_path):
 
 
 def test_an_estimate_that_cannot_run_on_the_loaders_batch_does_not_stop_the_run(monkeypatch, caplog):
-    import kiln.parallel.auto as auto_module
+    import kiln.cost.auto as auto_module
 
     def fails(*args, **kwargs):
         if args[4] is not None:  # only with an example: the estimate's forward

@@ -11,7 +11,7 @@ from torch import nn
 import kiln
 from distributed import WORKERS, check, fork_run
 from kiln.checkpoint import load_checkpoint, merge_checkpoint, verify_checkpoint
-from kiln.parallel.dcp_state import get_state_dict
+from kiln.parallel.state.dcp_state import get_state_dict
 
 
 def _one_rank_state():

@@ -155,7 +155,7 @@ def test_nnscaler_loss_aggregation_is_on_the_context_device(accelerator_world):
 
 
 def test_pipeline_grad_norm_of_a_stage_without_gradients_is_on_the_context_device(accelerator_world):
-    from kiln.parallel.grad_norm import total_grad_norm
+    from kiln.parallel.state.grad_norm import total_grad_norm
 
     params = [torch.nn.Parameter(torch.zeros(2))]  # no .grad: a frozen stage still joins the all-reduce
     reached = _reach(lambda: total_grad_norm(params, 2.0, pp_group=object()))

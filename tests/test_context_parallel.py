@@ -144,7 +144,7 @@ def _dry_run(cp: int):
 
     from distributed import ROOT
     from kiln.config.args import load_trainer_args
-    from kiln.parallel.dry_run import dry_run
+    from kiln.planning.dry_run import dry_run
 
     sys.path.insert(0, str(ROOT / "examples"))  # lm_data
     model = {"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 64}

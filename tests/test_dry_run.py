@@ -1,4 +1,4 @@
-"""kiln.parallel.dry_run: a run's setup and first step as one rank of a world of 8 to 512, on torch's
+"""kiln.planning.dry_run: a run's setup and first step as one rank of a world of 8 to 512, on torch's
 fake process group and fake tensors, in this process.
 
 What each rank holds is checked against the closed form of FSDP2 over tensor parallelism (each
@@ -20,8 +20,8 @@ import torch
 
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
-from kiln.parallel.comm_count import mesh_dimension
-from kiln.parallel.dry_run import dry_run
+from kiln.planning.comm_count import mesh_dimension
+from kiln.planning.dry_run import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # lm_data
@@ -256,7 +256,7 @@ def test_a_strategy_that_needs_real_parameter_storage_is_refused_in_one_line(tmp
 def test_the_activation_count_follows_storage_resizes():
     # FSDP2 frees a block's gathered parameters with storage.resize_(0) and gathers into the same
     # storage again with resize_(n): no tensor op, so the count must see the resizes themselves
-    from kiln.parallel.activation_memory import _LiveBytes
+    from kiln.cost.activations import _LiveBytes
 
     gathered = torch.empty(1024)  # made before the count, like a storage FSDP keeps between steps
     gathered.untyped_storage().resize_(0)

@@ -1,4 +1,4 @@
-"""Expert parallelism (kiln.parallel.expert, Hybrid(ep=...), compute_config.ep) against one process.
+"""Expert parallelism (kiln.parallel.transforms.expert_parallel, Hybrid(ep=...), compute_config.ep) against one process.
 
 Parity (workers/moe_parity_worker.py): a tiny kiln.models.MoELlama in float64 trained with plain
 SGD for 3 steps, each rank on its data-parallel share, against a plain torch loop on the whole
@@ -40,7 +40,7 @@ from distributed import ROOT, WORKERS, base_env, check, fork_run
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
 from kiln.parallel import Hybrid, ParallelDims
-from kiln.parallel.expert import check_expert_parallel
+from kiln.parallel.transforms.expert_parallel import check_expert_parallel
 
 TOL = 1e-9
 TWO_RANKS = ["ep2:plain", "ep2:bias", "ep2:clip", "ep2_broken_combine:plain"]
@@ -195,7 +195,7 @@ def test_compute_config_ep_that_does_not_divide_dp_shard_is_a_config_error():
 
 # -- the dry run (kiln plan --dry-run) counts the experts' shards and the all-to-all bytes ------------
 def test_dry_run_counts_expert_shards_and_all_to_all_bytes(monkeypatch):
-    from kiln.parallel.dry_run import dry_run
+    from kiln.planning.dry_run import dry_run
 
     monkeypatch.syspath_prepend(str(ROOT))  # the run file's dataset is examples.lm_data
     small = {"dim": 32, "moe_hidden_dim": 64, "max_seq_len": 16}

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.parallel.float8 import Float8Settings, check_float8_device, convert_float8, float8_eligible, float8_settings
+from kiln.parallel.transforms.float8 import (
+    Float8Settings,
+    check_float8_device,
+    convert_float8,
+    float8_eligible,
+    float8_settings,
+)
 
 
 class Tiny(nn.Module):

@@ -38,7 +38,8 @@ import kiln  # noqa: E402
 from hf_common import CONFIG, LAYERS, ByteWindows, batches, make_llama, make_model  # noqa: E402
 from kiln.cli.main import main as kiln_main  # noqa: E402
 from kiln.models import HuggingFaceModel  # noqa: E402
-from kiln.parallel.tensor import check_tp_size, huggingface_tp_plan, model_tp_plan, resolve_tp_plan  # noqa: E402
+from kiln.models.tp_plan import huggingface_tp_plan  # noqa: E402
+from kiln.parallel.transforms.tensor_parallel import check_tp_size, model_tp_plan, resolve_tp_plan  # noqa: E402
 
 SMALL = {**CONFIG, "num_hidden_layers": 2}
 BASE_PLAN = LlamaConfig().base_model_tp_plan
@@ -228,7 +229,7 @@ def test_a_transformers_style_kiln_cannot_translate_is_named():
 def test_pipeline_names_the_skip_connection_torch_cannot_run_backward():
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    from kiln.parallel.pipeline import _skip_connection
+    from kiln.parallel.pipelining.runtime import _skip_connection
 
     inputs = (make_model().pipeline_inputs(_batch()),)
     # a model is traced once (its split layers' forwards are wrapped): a fresh one for each cut

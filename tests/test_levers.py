@@ -24,8 +24,8 @@ from kiln.checkpoint.offline import load_full
 from kiln.config.args import TrainerArgs
 from kiln.config.overrides import ConfigError
 from kiln.parallel import SingleDevice
-from kiln.parallel.levers import SAVED_OPS, applied_levers
-from kiln.parallel.parallelize import ParallelizeOptions
+from kiln.parallel.transforms.levers import SAVED_OPS, applied_levers
+from kiln.parallel.transforms.parallelize import ParallelizeOptions
 
 sys.path.insert(0, str(WORKERS))  # the tiny transformer lives beside the workers
 from levers_model import STRATEGIES, lm_loss, make_data, make_model  # noqa: E402

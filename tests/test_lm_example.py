@@ -48,7 +48,7 @@ def test_yaml_and_script_choose_the_same_strategy_at_world_size_2(tp, monkeypatc
 
     from kiln.config.args import load_trainer_args
     from kiln.config.trainer_builder import _strategy
-    from kiln.parallel.mesh import ParallelDims
+    from kiln.parallel.state.mesh import ParallelDims
 
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     monkeypatch.syspath_prepend(str(ROOT))

@@ -8,7 +8,7 @@ import re
 from types import SimpleNamespace
 
 from distributed import ROOT, check, fork_run
-from kiln.parallel.mesh import ParallelDims
+from kiln.parallel.state.mesh import ParallelDims
 
 SMALL = ["--steps", "4", "--seq-len", "32", "--hidden", "32", "--layers", "2", "--batch-size", "2"]
 

@@ -320,7 +320,8 @@ def test_a_bad_rdzv_conf_item_is_refused_in_one_line():
 
 def test_the_global_batch_stays_when_the_world_shrinks_and_is_refused_where_it_cannot():
     from kiln.config import ConfigError
-    from kiln.config.args import DatasetConfig, ModelConfig, OptimizerConfig, TrainerArgs
+    from kiln.config.args import TrainerArgs
+    from kiln.config.components import DatasetConfig, ModelConfig, OptimizerConfig
 
     args = TrainerArgs(
         model=ModelConfig(type="examples.mlp_model.MLP", args={"dim": 16}),

@@ -152,7 +152,7 @@ def test_a_group_mixing_dtensors_and_tensors_steps_in_a_loop(first_is_dtensor):
 def test_the_choice_follows_parameters_a_strategy_points_the_groups_at(first_is_dtensor, on_cuda):
     """A pipeline builds its stages at the first forward: the groups kiln filled choose again when
     repoint_optimizer hands them the stage's parameters; the user's group keeps its choice."""
-    from kiln.parallel.optimizer_params import parameter_names, repoint_optimizer
+    from kiln.parallel.state.optimizer_params import parameter_names, repoint_optimizer
 
     model = _model()
     names = parameter_names(model)

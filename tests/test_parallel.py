@@ -113,7 +113,7 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(two_ranks):
 
 @pytest.mark.parametrize("case,world", [("zero1", 2), ("pp_1f1b", 2), ("hybrid_fsdp_tp", 4)])
 def test_dcp_state_round_trip_then_one_more_step_matches(two_ranks, four_ranks, case, world):
-    # saved with kiln.parallel.dcp_state, loaded into a fresh engine before its first step (a
+    # saved with kiln.parallel.state.dcp_state, loaded into a fresh engine before its first step (a
     # pipeline not yet traced, a ZeRO-1 optimizer with its shard), then both take a step
     results = (two_ranks if world == 2 else four_ranks)[1]
     assert results[case]["roundtrip_diff"] == 0.0

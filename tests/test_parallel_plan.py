@@ -9,7 +9,7 @@ import torch
 
 from distributed import WORKERS  # noqa: E402
 from kiln.cli.main import main
-from kiln.parallel.plan import activation_bytes, optimizer_state_factor, plan_table
+from kiln.cost.memory import activation_bytes, optimizer_state_factor, plan_table
 
 sys.path.insert(0, str(WORKERS))  # the shared test model lives beside the workers
 from parallel_model import Net, make_model  # noqa: E402

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import kiln
-import kiln.parallel.parallelize as parallelize_module
+import kiln.parallel.transforms.parallelize as parallelize_module
 from distributed import WORKERS, check, fork_run
 from kiln.launch.context import Context
 from kiln.parallel import FSDP, Hybrid, SingleDevice, Strategy, TensorParallel
-from kiln.parallel.parallelize import STAGE_STEPS, STEPS, WHOLE_MODEL_STEPS, ParallelizeOptions, find_blocks
 from kiln.parallel.strategy import _BUILTIN, _lookup
+from kiln.parallel.transforms.parallelize import STAGE_STEPS, STEPS, WHOLE_MODEL_STEPS, ParallelizeOptions, find_blocks
 from kiln.precision import get_precision
 
 sys.path.insert(0, str(WORKERS))  # the shared test model and the recording strategy live beside the workers
@@ -153,7 +153,7 @@ def test_float8_on_the_cpu_is_refused_in_one_line_and_converts_when_emulated():
 
 @pytest.mark.parametrize("option, value", SEAM_VALUES)
 def test_the_filled_seams_apply_in_place_and_keep_every_name(option, value):
-    from kiln.parallel.levers import applied_levers
+    from kiln.parallel.transforms.levers import applied_levers
 
     for strategy in (SingleDevice(), kiln.parallel.Auto(memory_budget=1e12)):  # Auto hands them on
         strategy.parallelize_options = ParallelizeOptions(**{option: value})

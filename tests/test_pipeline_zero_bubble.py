@@ -42,7 +42,7 @@ from kiln.cli.main import main
 from kiln.config.args import load_trainer_args
 from kiln.config.overrides import ConfigError
 from kiln.parallel import Hybrid, Pipeline
-from kiln.parallel.pipeline_schedules import stage_count_error, stage_ids, stage_rank
+from kiln.parallel.pipelining.schedules import stage_count_error, stage_ids, stage_rank
 
 TOL = 1e-9
 TWO_RANKS = {"zbv": ("plain", "accum2", "clip"), "dualpipev": ("accum2_clip",), "interleaved_zb": ("accum2_clip",)}

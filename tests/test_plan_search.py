@@ -1,6 +1,6 @@
-"""kiln plan --search (kiln.parallel.search): the plans of a transformer on a world of devices, priced
+"""kiln plan --search (kiln.planning.search): the plans of a transformer on a world of devices, priced
 by the documented cost model; strategy="auto" ranking its candidates with the same model; and the dry
-run of Llama's grouped-query attention under pipeline x tensor parallelism (kiln.parallel.tp_trace).
+run of Llama's grouped-query attention under pipeline x tensor parallelism (kiln.parallel.pipelining.tp_trace).
 
 Published configurations the docs compare with (docs/planning.md): torchtitan's Llama 3.1 8B on 8
 H100 (FSDP 8, local batch 2, global 16, seq 8192) and 70B on 256 H100 (FSDP 32 x TP 8, global 512);
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.parallel.devices import COMPUTE_EFFICIENCY, DEVICES, device_class
-from kiln.parallel.search import ModelShape, data_parallel_seconds, parse_bytes, search
+from kiln.cost.devices import COMPUTE_EFFICIENCY, DEVICES, device_class
+from kiln.cost.step_time import data_parallel_seconds
+from kiln.planning.search import ModelShape, parse_bytes, search
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "workers"))  # search_models
@@ -134,7 +135,7 @@ def test_the_device_table_agrees_with_the_mfu_peaks():
 def test_auto_ranks_its_candidates_with_the_same_cost_model():
     from torch import nn
 
-    from kiln.parallel.plan import plan_table
+    from kiln.cost.memory import plan_table
 
     cpu = DEVICES["cpu"]
     # ddp all-reduces the gradients (2 x 7/8 of their bytes); zero3 reduce-scatters them and gathers
@@ -193,7 +194,7 @@ def test_dry_run_of_grouped_query_attention_under_pp_x_tp():
     FSDP's bf16 parameters stopped the stage at the trace's dtype assertions; each stage's rank holds
     its stage's parameters split by tensor parallelism, then FSDP's shard of them."""
     from kiln.config.args import load_trainer_args
-    from kiln.parallel.dry_run import dry_run
+    from kiln.planning.dry_run import dry_run
 
     hidden, inter, vocab, seq = 64, 128, 256, 32
     model = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
@@ -235,7 +236,7 @@ def test_dry_run_of_grouped_query_attention_under_pp_x_tp():
 def test_a_traced_stage_runs_the_models_casts_on_bf16():
     from torch import nn
 
-    from kiln.parallel.traced_casts import drop_cast_assertions
+    from kiln.parallel.pipelining.traced_casts import drop_cast_assertions
 
     class Norm(nn.Module):
         def forward(self, x):

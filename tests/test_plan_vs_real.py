@@ -18,7 +18,7 @@ import pytest
 
 from distributed import ROOT, WORKERS, check, fork_run
 from kiln.config.args import load_trainer_args
-from kiln.parallel.dry_run import dry_run
+from kiln.planning.dry_run import dry_run
 
 sys.path.insert(0, str(ROOT / "examples"))  # lm_data, for the dry runs in this process
 pytest.importorskip("transformers")

@@ -120,8 +120,8 @@ def dist_log():
 
 
 def test_the_strategy_choice_is_one_line_and_the_table_is_verbose(dist_log):
+    from kiln.cost.auto import Auto
     from kiln.launch.context import context
-    from kiln.parallel.auto import Auto
     from kiln.precision import get_precision
 
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 2))

@@ -20,6 +20,11 @@ from kiln._import_noise import quiet_torchao_import as _quiet_torchao_import  # 
 
 _quiet_torchao_import()
 
+# modules that moved keep their old import paths (kiln/_moved.py says which and why)
+from kiln._moved import install as _install_moved  # noqa: E402
+
+_install_moved()
+
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # launch

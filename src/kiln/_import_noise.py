@@ -6,7 +6,7 @@ warning per optional kernel library it cannot load on this machine (``Failed to 
 .../torchao/_C_mxfp8...so``: built for another Python or CUDA), and registering its enums with
 torch's pytree makes torch log a deprecation meant for torchao's developers: four lines per rank
 that nothing in the run can act on. kiln's own code imports torchao only for ``float8=``, which
-needs none of those kernels (:mod:`kiln.parallel.float8`).
+needs none of those kernels (:mod:`kiln.parallel.transforms.float8`).
 
 :func:`quiet_torchao_import` (called by ``import kiln``) adds a filter to the two loggers that drops
 records of level WARNING and below while torchao's package or one of its modules is being

@@ -37,8 +37,8 @@ from kiln.launch.context import Context, context
 from kiln.launch.data import ensure_distributed_sampler
 from kiln.launch.join import join_launcher
 from kiln.optim.implementation import apply_default_implementation
-from kiln.parallel.parallelize import ParallelizeOptions
 from kiln.parallel.strategy import Strategy, get_strategy
+from kiln.parallel.transforms.parallelize import ParallelizeOptions
 from kiln.precision import Precision, get_precision, precision_from_config
 
 __all__ = ["Engine", "initialize", "GradAccumLRScheduler", "move_to_device"]
@@ -73,7 +73,7 @@ class Engine:
             strategy's ``parallelize_options`` as they are.
         activation_checkpointing: ``"full"``, ``"selective"``, ``"selective:N"`` or
             ``fn(module) -> bool``: the blocks whose activations the backward recomputes.
-        float8: ``True`` or a dict of torchao float8 settings (:mod:`kiln.parallel.float8`).
+        float8: ``True`` or a dict of torchao float8 settings (:mod:`kiln.parallel.transforms.float8`).
         ctx: the :class:`kiln.Context`; defaults to ``kiln.context()``.
 
     Example::

@@ -98,7 +98,7 @@ def train(state, num_batches: int, on_batch=None) -> None:
 
 def snapshot(state) -> dict:
     """Everything that must match after an exact resume."""
-    from kiln.parallel.dcp_state import get_state_dict
+    from kiln.parallel.state.dcp_state import get_state_dict
 
     full = get_state_dict(state.engine.model, state.engine.optimizer, full=True)
     return {

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
     except SystemExit as exc:  # the preemption exit, status 75
         if exc.code:
             raise
-    final = kiln.parallel.dcp_state.get_state_dict(engine.model, optimizer, full=True)
+    final = kiln.parallel.state.dcp_state.get_state_dict(engine.model, optimizer, full=True)
     torch.save(
         {
             **final,

@@ -11,7 +11,7 @@ from torch import nn
 
 import kiln
 from kiln.checkpoint import save_checkpoint
-from kiln.parallel.dcp_state import get_state_dict
+from kiln.parallel.state.dcp_state import get_state_dict
 
 out, strategies = sys.argv[1], sys.argv[2].split(",")
 save_types = (sys.argv[3] if len(sys.argv) > 3 else "sharded,deduped,merged").split(",")

@@ -38,7 +38,7 @@ CASES = {
     "engine_zero3_tp": lambda: Hybrid(dp_shard=2, tp=2),
     # pp x tp with grouped-query attention (8 heads, 4 key/value heads): the pipeline traces the model
     # as one tensor-parallel rank computes it, so the repeated key/value heads get a rank's counts
-    # (kiln.parallel.tp_trace); the stages mix tensor-parallel DTensors with plain tensors (the norms),
+    # (kiln.parallel.pipelining.tp_trace); the stages mix tensor-parallel DTensors with plain tensors (the norms),
     # which no foreach step takes. (Full heads take the same path with nothing repeated: the case it
     # replaces, pp_tp_mha, cost the launch as much again.)
     "pp_tp_gqa": lambda: Hybrid(pp=2, tp=2, split_points=LAYERS[2:3], microbatches=2),

@@ -1,7 +1,7 @@
 """A tiny transformer language model for the compile / activation-checkpointing tests.
 
 Pre-norm blocks (attention through ``scaled_dot_product_attention``, then an MLP) in an
-``nn.ModuleList`` named ``layers``, so :func:`kiln.parallel.parallelize.find_blocks` finds them
+``nn.ModuleList`` named ``layers``, so :func:`kiln.parallel.transforms.parallelize.find_blocks` finds them
 (``layers.0`` ...) and the same blocks are what FSDP shards, checkpointing recomputes and compile
 compiles. ``TP_PLAN`` splits attention by heads and the MLP by hidden units (Megatron style).
 """

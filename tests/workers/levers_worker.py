@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 
 import kiln
 from kiln.parallel import full_model_state_dict, get_strategy
-from kiln.parallel.levers import applied_levers
-from kiln.parallel.parallelize import ParallelizeOptions
+from kiln.parallel.transforms.levers import applied_levers
+from kiln.parallel.transforms.parallelize import ParallelizeOptions
 from levers_model import STRATEGIES, lm_loss, make_data, make_model
 
 AC_CASES = {"full": "full", "selective": "selective", "selective:2": "selective:2", "callable": "callable"}

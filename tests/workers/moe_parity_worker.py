@@ -25,7 +25,7 @@ import torch.distributed as dist
 import kiln
 from kiln.models.moe import update_expert_bias
 from kiln.parallel import Hybrid, full_model_state_dict
-from kiln.parallel.expert import ExpertParallel
+from kiln.parallel.transforms.expert_parallel import ExpertParallel
 
 LR = 0.5
 GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 8, 3, 32

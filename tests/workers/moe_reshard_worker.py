@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import kiln
 from kiln.parallel import Hybrid, full_model_state_dict
-from kiln.parallel.dcp_state import optimizer_state_dict
+from kiln.parallel.state.dcp_state import optimizer_state_dict
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 8, 32
 

@@ -75,7 +75,7 @@ def check_loads_on_one_process(out, tag: str) -> None:
     AdamW with no process group: the weights equal OUT/<tag>_full.pt and Adam's state is all there."""
     import torch.distributed.checkpoint as dcp
 
-    from kiln.parallel.dcp_state import get_state_dict, set_state_dict
+    from kiln.parallel.state.dcp_state import get_state_dict, set_state_dict
 
     model = make_model(seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import kiln
+from kiln.cost.memory import plan_table
 from kiln.parallel import Auto, full_model_state_dict, full_pipeline_state_dict
-from kiln.parallel.plan import plan_table
 from parallel_model import STRATEGIES, make_data, make_model
 
 CASES = {

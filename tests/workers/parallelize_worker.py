@@ -15,7 +15,7 @@ from torch import nn
 
 import kiln
 from kiln.parallel import DDP, FSDP, Hybrid, Pipeline, TensorParallel, Zero1, Zero3, full_model_state_dict
-from kiln.parallel.parallelize import STEPS
+from kiln.parallel.transforms.parallelize import STEPS
 from parallel_model import PLAN, make_data, make_model
 
 

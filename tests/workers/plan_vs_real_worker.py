@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 import kiln
 from kiln.config.args import load_trainer_args
 from kiln.config.trainer_builder import build_trainer
-from kiln.parallel.comm_count import mesh_dimension
-from kiln.parallel.dry_run import first_microbatch, mesh_sizes, storage_bytes
+from kiln.planning.comm_count import mesh_dimension
+from kiln.planning.dry_run import first_microbatch, mesh_sizes, storage_bytes
 
 # -- the counting wrapper --------------------------------------------------------------------------
 counts: dict[str, dict[str, int]] = {}

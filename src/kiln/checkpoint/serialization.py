@@ -35,7 +35,7 @@ from torch.futures import Future
 
 from kiln.checkpoint import collectives
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.storage import as_path, storage_of
+from kiln.checkpoint.storage import FsspecStorage, as_path, storage_of
 
 __all__ = [
     "safe_torch_load",
@@ -722,8 +722,11 @@ def _first_line(exc: BaseException) -> str:
 
 def dcp_reader(folder: Any) -> Any:
     """DCP's safe reader for the checkpoint folder ``folder`` (a local path or a URL)."""
+    # The reader goes with the storage (the storage layer below knows no reader): a local folder's
+    # files are read in place, an object store's through fsspec.
     folder = as_path(folder)
-    return storage_of(folder).dcp_reader(folder)
+    reader = SafeFsspecReader if isinstance(storage_of(folder), FsspecStorage) else SafeFileSystemReader
+    return reader(folder)
 
 
 def safe_torch_load(path: Any, mmap: bool = False) -> Any:

@@ -54,7 +54,7 @@ def training_objects(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer
 
 
 def model_optimizer_state(state: Any, full: bool = False, with_optimizer: bool | None = None) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` keyed by parameter name (``kiln.parallel.dcp_state``'s
+    """``{"model": ..., "optimizer": ...}`` keyed by parameter name (``kiln.parallel.state.dcp_state``'s
     form, which knows DDP, FSDP2, ZeRO-1 and DTensor); shards stay shards unless ``full``.
 
     ``with_optimizer``: None saves the optimizer once it has stepped; True always includes it (a

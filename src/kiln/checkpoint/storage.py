@@ -257,9 +257,6 @@ class Storage:
     def dcp_writer(self, folder: Any, thread_count: int) -> Any:
         raise NotImplementedError
 
-    def dcp_reader(self, folder: Any) -> Any:
-        raise NotImplementedError
-
     def read_for_load(self, file: Any) -> Any:
         """What ``torch.load`` reads ``file`` from: the path itself, or its bytes."""
         raise NotImplementedError
@@ -381,11 +378,6 @@ class LocalStorage(Storage):
             folder, single_file_per_rank=True, sync_files=True, overwrite=True, thread_count=thread_count
         )
 
-    def dcp_reader(self, folder: Path) -> Any:
-        from kiln.checkpoint.serialization import SafeFileSystemReader
-
-        return SafeFileSystemReader(folder)
-
     def read_for_load(self, file: Path) -> Any:
         return file
 
@@ -465,11 +457,6 @@ class FsspecStorage(Storage):
         fs.fs = folder.fs  # this path's filesystem, with its storage_options
         writer.fs = fs  # type: ignore[assignment]  # what FsspecWriter itself sets, typed as its base's
         return writer
-
-    def dcp_reader(self, folder: RemotePath) -> Any:
-        from kiln.checkpoint.serialization import SafeFsspecReader
-
-        return SafeFsspecReader(folder)
 
     def read_for_load(self, file: RemotePath) -> Any:
         import io

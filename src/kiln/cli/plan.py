@@ -11,34 +11,33 @@ one microbatch (``micro_batch_size`` samples) of the run file's training dataset
 ``--activation-checkpointing`` they are measured with it; without, the table also shows each
 strategy with every block checkpointed (``+ckpt``), which ``auto`` picks when nothing else fits.
 With ``-f`` the run file is read and checked as ``kiln train`` reads it, and its model and
-optimizer are planned; :func:`kiln.parallel.plan.plan_table` does the work.
+optimizer are planned; :func:`kiln.cost.memory.plan_table` does the work.
 
     kiln plan -f run.yaml --world-size 512 --dry-run [--json] [--dotted.key value ...]
 
 ``--dry-run`` runs the run itself instead of estimating it: its setup (mesh, every parallelize
 step, the optimizer) and one training step, as the first rank of each pipeline stage of a world of
 ``--world-size``, in this process, on torch's fake process group and fake tensors; it prints what
-each of those ranks holds and moves (:mod:`kiln.parallel.dry_run`), or with ``--json`` the same
+each of those ranks holds and moves (:mod:`kiln.planning.dry_run`), or with ``--json`` the same
 report as one JSON object. A configuration error is the real run's one line, with status 2.
 
     kiln plan -f run.yaml --world-size 256 --search --device h100 --memory 80GiB [--json] [--confirm]
 
 ``--search`` lists the feasible (dp_shard, tp, pp, checkpointing, microbatch) plans of a transformer,
-cheapest first by an explicit cost model (:mod:`kiln.cli.plan_search`, :mod:`kiln.parallel.search`).
+cheapest first by an explicit cost model (:mod:`kiln.cli.plan_search`, :mod:`kiln.planning.search`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
-import traceback
 from typing import Any
 
+from kiln.cli.dotted import load_object
+from kiln.cli.plan_dry_run import dry_run_subcommand
 from kiln.cli.plan_search import add_search_arguments, search_command
 
-__all__ = ["add_parser", "run", "load_object", "dry_run_command"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -104,24 +103,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_extra=True)
 
 
-def load_object(path: str) -> Any:
-    """``package.module:attr`` or ``package.module.attr`` -> the object."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"--model/--optimizer {path!r} is not a dotted path; expected 'package.module:Name'")
-    try:
-        obj = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"cannot import {module_name!r} for {path!r}: {exc}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _from_run_file(path: str, overrides: list[str], world_size: int | None) -> tuple[Any, str, int, Any]:
     # the config CLI's own reading and model building, so the plan sees the model `kiln train` would
     from kiln.config.args import load_trainer_args
@@ -164,13 +145,13 @@ def _example_microbatch(trainer_args: Any, model: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kiln.parallel.plan import activation_summary, format_table, plan_table
+    from kiln.cost.memory import activation_summary, format_table, plan_table
 
     extra = list(getattr(args, "extra", []) or [])
     if args.search:
         return search_command(args, extra)
     if args.dry_run or args.json:
-        return _dry_run(args, extra)
+        return dry_run_subcommand(args, extra)
     if (args.file is None) == (args.model is None):
         print(
             "kiln plan: pass -f run.yaml, or --model package.module:Name (a model class or a function returning one)",
@@ -198,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             )
         ac = args.activation_checkpointing
         if ac is not None:
-            from kiln.parallel.activation_memory import checkpointed_modules
+            from kiln.cost.activations import checkpointed_modules
 
             checkpointed_modules(model, ac)  # a mode that names nothing fails here, with the fix
         rows = plan_table(model, optimizer, world, args.budget, example, activation_checkpointing=ac)
@@ -210,63 +191,4 @@ def run(args: argparse.Namespace) -> int:
     summary = activation_summary(rows)
     if summary:
         print(summary)
-    return 0
-
-
-def _dry_run(args: argparse.Namespace, extra: list[str]) -> int:
-    from kiln.config.args import load_trainer_args
-    from kiln.config.overrides import ConfigError
-
-    refused = [
-        flag
-        for flag, given in (
-            ("--model", args.model),
-            ("--optimizer", args.optimizer),
-            ("--budget", args.budget),
-            ("--input-shape", args.input_shape),
-            ("--activation-checkpointing", args.activation_checkpointing),
-        )
-        if given is not None
-    ]
-    if not args.dry_run:
-        refused = ["--json (it prints the --dry-run report)"]
-    if args.file is None or refused:
-        print(
-            f"kiln plan: --dry-run runs a run file: pass -f run.yaml (and dotted overrides), without "
-            f"{', '.join(refused) or '--model'}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.world_size is not None and args.world_size < 1:
-        print(f"kiln plan: --world-size={args.world_size} must be >= 1", file=sys.stderr)
-        return 2
-    if os.getcwd() not in sys.path:  # components resolve from the working directory, as kiln train's do
-        sys.path.insert(0, os.getcwd())
-    try:
-        trainer_args = load_trainer_args(args.file, extra, world_size=args.world_size)
-    except ConfigError as exc:
-        print(f"kiln plan: error: {exc}", file=sys.stderr)
-        return 2
-    return dry_run_command(trainer_args, args.world_size, as_json=args.json, prog="kiln plan")
-
-
-def dry_run_command(
-    trainer_args: Any, world_size: int | None, *, as_json: bool = False, prog: str = "kiln plan"
-) -> int:
-    """Dry-run a resolved run (:func:`kiln.parallel.dry_run.dry_run`) on ``world_size`` ranks (None:
-    the run's ``compute_config.runtime_ngpus``, else 1) and print its report: text, or one JSON
-    object. A configuration error prints the real run's one line and returns 2."""
-    import json
-
-    from kiln.parallel.dry_run import dry_run
-
-    world = world_size or trainer_args.compute_config.runtime_ngpus or 1
-    try:
-        report = dry_run(trainer_args, world)
-    except (ValueError, TypeError) as exc:  # ConfigError is a ValueError; so are the strategies' checks
-        if os.environ.get("KILN_DEBUG") == "1":
-            traceback.print_exception(exc)
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(report.to_dict(), indent=None) if as_json else report.format())
     return 0

@@ -4,9 +4,9 @@
     kiln plan --search --model mypkg.models:make_llama --world-size 8 --seq-len 8192 --global-batch 16 --json
     kiln plan --search -f run.yaml --world-size 8 --confirm      # then dry-runs the first plan
 
-The model is built on the meta device (no weights) and priced by :mod:`kiln.parallel.search`, whose
-constants are :mod:`kiln.parallel.devices`'s. ``--confirm`` runs ``kiln plan --dry-run`` of the run
-file with the first plan's overrides (:mod:`kiln.parallel.dry_run`).
+The model is built on the meta device (no weights) and priced by :mod:`kiln.planning.search`, whose
+constants are :mod:`kiln.cost.devices`'s. ``--confirm`` runs ``kiln plan --dry-run`` of the run
+file with the first plan's overrides (:mod:`kiln.planning.dry_run`).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def search_command(args: argparse.Namespace, extra: list[str]) -> int:
     """Run ``kiln plan --search``; 0, or 2 with one line on bad input."""
     import torch
 
-    from kiln.parallel.devices import device_class
-    from kiln.parallel.plan import optimizer_state_factor
-    from kiln.parallel.search import ModelShape, format_plans, parse_bytes, search
+    from kiln.cost.devices import device_class
+    from kiln.cost.memory import optimizer_state_factor
+    from kiln.planning.search import ModelShape, format_plans, parse_bytes, search
 
     if (args.file is None) == (args.model is None):
         return _fail("--search plans a model: pass -f run.yaml, or --model package.module:Name")
@@ -81,7 +81,7 @@ def search_command(args: argparse.Namespace, extra: list[str]) -> int:
             precision = trainer_args.precision if isinstance(trainer_args.precision, str) else precision
             optimizer = trainer_args.optimizer.type or optimizer
         else:
-            from kiln.cli.plan import load_object
+            from kiln.cli.dotted import load_object
 
             with torch.device("meta"):
                 model = load_object(args.model)()
@@ -109,7 +109,7 @@ def search_command(args: argparse.Namespace, extra: list[str]) -> int:
         return _fail(str(exc))
     print(json.dumps(result.to_dict(args.top)) if args.json else format_plans(result, args.top))
     if args.confirm and result.plans:
-        from kiln.cli.plan import dry_run_command
+        from kiln.cli.plan_dry_run import dry_run_command
         from kiln.config.args import load_trainer_args
 
         print(f"dry run of the first plan ({result.plans[0].label}):", file=sys.stderr)
@@ -125,7 +125,7 @@ def _seq_len(trainer_args: Any) -> int | None:
     # the last dimension of the run's first microbatch's token ids
     if trainer_args is None or trainer_args.dataset.type is None:
         return None
-    from kiln.parallel.dry_run import first_microbatch
+    from kiln.planning.dry_run import first_microbatch
 
     batch = first_microbatch(trainer_args)
     if isinstance(batch, dict):

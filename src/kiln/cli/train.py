@@ -220,7 +220,7 @@ def train(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_yaml(trainer_args))
         return 0
     if args.dry_run:
-        from kiln.cli.plan import dry_run_command
+        from kiln.cli.plan_dry_run import dry_run_command
 
         return dry_run_command(trainer_args, world, prog="kiln train")
     try:  # after the dry run, which runs context parallelism on the CPU with a stand-in attention

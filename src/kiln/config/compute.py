@@ -159,7 +159,7 @@ class ComputeConfig:
         """Refuse a pipeline schedule (``strategy_options.schedule``) that is not known, or whose stages
         (``split_points``) or ``microbatches`` it cannot run on the pipeline ranks of a world of
         ``world_size``, in one line, before any process group exists."""
-        from kiln.parallel.pipeline_schedules import SCHEDULES, stage_count_error
+        from kiln.parallel.pipelining.schedules import SCHEDULES, stage_count_error
 
         options = self.strategy_options
         name = self.strategy_name(pas_policy, world_size)

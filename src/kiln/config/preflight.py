@@ -16,7 +16,7 @@ from kiln.config.components import SAMPLER_FILLED, HookConfig, HookMapConfig
 from kiln.config.overrides import ConfigError, format_error
 
 if TYPE_CHECKING:
-    from kiln.config.args import TrainerArgs
+    from kiln.config.trainer_args import TrainerArgs
 
 __all__ = ["check_components", "is_kiln_model_type"]
 

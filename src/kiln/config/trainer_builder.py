@@ -260,7 +260,7 @@ def _strategy(args: TrainerArgs, ctx: Any) -> Any:
 
 def _activation_checkpointing(spec: str | None) -> Any:
     """A mode as it is; any other string names the function that chooses the modules."""
-    from kiln.parallel.levers import checkpoint_every
+    from kiln.parallel.transforms.levers import checkpoint_every
 
     if spec is None or checkpoint_every(spec) is not None:
         return spec

@@ -8,7 +8,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["num_samples", "num_tokens", "split_batch", "microbatch_weights", "WEIGHTINGS"]
+__all__ = ["IGNORE_INDEX", "num_samples", "num_tokens", "split_batch", "microbatch_weights", "WEIGHTINGS"]
+
+# The label value of positions that count in no loss or metric (transformers' and torch's -100):
+# one home for the language models, their metrics and context parallelism's label shifting.
+IGNORE_INDEX = -100
 
 
 def num_samples(batch: Any) -> int:

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.core.time import Time, Timestamp, TimeUnit, resolve_fraction
-
-if TYPE_CHECKING:
-    from kiln.core.callback import Algorithm, Callback
 
 __all__ = ["State"]
 
@@ -50,9 +47,11 @@ class State:
     """The :class:`kiln.Engine` that runs the model under its strategy (None outside a Trainer)."""
     loss_fn: Callable[[Any, Any], Any] | None
     """The loss of ``(outputs, batch)`` the Trainer computes; algorithms that rerun the forward call it."""
-    algorithms: list[Algorithm]
+    # kiln.Algorithm and kiln.Callback objects: typed Any because core/callback.py, whose methods
+    # take a State, imports this file (the State only holds them; the loop's events call them).
+    algorithms: list[Any]
     """Algorithms, run first on each event."""
-    callbacks: list[Callback]
+    callbacks: list[Any]
     """Callbacks, run after the algorithms; add or remove them with ``trainer.events.add``/``remove``."""
     # -- where and how it runs ----------------------------------------------------------------
     rank: int
@@ -116,8 +115,8 @@ class State:
         precision: Any = None,
         device: torch.device | None = None,
         seed: int | None = None,
-        algorithms: Sequence[Algorithm] = (),
-        callbacks: Sequence[Callback] = (),
+        algorithms: Sequence[Any] = (),
+        callbacks: Sequence[Any] = (),
         run_name: str = "kiln",
     ) -> None:
         self.model = model

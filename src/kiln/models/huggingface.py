@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.core.batch import IGNORE_INDEX
 from kiln.core.model import Model
 
 __all__ = ["HuggingFaceModel", "EXTRA_STATE_FORMAT", "is_huggingface_model", "model_task"]
@@ -28,7 +29,6 @@ __all__ = ["HuggingFaceModel", "EXTRA_STATE_FORMAT", "is_huggingface_model", "mo
 EXTRA_STATE_FORMAT = "kiln.huggingface/1"
 """The ``format`` field of the JSON a :class:`HuggingFaceModel` keeps in its ``_extra_state``."""
 
-IGNORE_INDEX = -100  # transformers' label value for positions that count in no loss or metric
 
 # Class-name endings of the classifier heads whose default metric is accuracy.
 _CLASSIFIER_SUFFIXES = (
@@ -270,10 +270,10 @@ class HuggingFaceModel(Model):
     @property
     def tp_plan(self) -> dict[str, str] | None:
         """The tensor-parallel plan the model brings: its ``config.base_model_tp_plan`` under this
-        wrapper's path (:func:`kiln.parallel.tensor.huggingface_tp_plan`); what ``TensorParallel()``
+        wrapper's path (:func:`kiln.models.tp_plan.huggingface_tp_plan`); what ``TensorParallel()``
         and ``Hybrid(tp=N)`` use without a plan, and ``kiln plan`` counts. None when the config has
         none, or one kiln cannot translate (tensor parallelism then says which style)."""
-        from kiln.parallel.tensor import huggingface_tp_plan
+        from kiln.models.tp_plan import huggingface_tp_plan
 
         try:
             return huggingface_tp_plan(self)

@@ -9,7 +9,7 @@ its ``top_k`` experts; the token goes to each of them and comes back weighted by
    to sum to 1 with ``route_norm``, times ``route_scale``);
 2. **dispatch**: the (token, expert) pairs sorted by expert, so each expert's tokens are one
    contiguous block (under expert parallelism: sent to the rank that holds the expert with an
-   all-to-all, :mod:`kiln.parallel.expert`);
+   all-to-all, :mod:`kiln.parallel.transforms.expert_parallel`);
 3. **experts** (:class:`GroupedExperts`): one SwiGLU feed-forward per expert, kept as one weight
    per projection for all experts, ``w1``/``w3`` of shape ``(num_experts, dim, hidden_dim)``
    and ``w2`` of ``(num_experts, hidden_dim, dim)`` (what expert parallelism shards on dim 0);
@@ -84,7 +84,7 @@ _STALE_BIAS_FORWARDS = 200
 
 class Dispatcher(Protocol):
     """What carries a MoE layer's routed tokens to its experts and back (expert parallelism's
-    :class:`kiln.parallel.expert.ExpertParallel`); without one, the experts are all local."""
+    :class:`kiln.parallel.transforms.expert_parallel.ExpertParallel`); without one, the experts are all local."""
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor: ...
 
@@ -116,7 +116,7 @@ class GroupedExperts(nn.Module):
     on every rank: FSDP's reduce-scatter needs all ranks to bring one.
 
     ``grad_scale`` multiplies the weights' gradients (not the rows'): expert parallelism sets it to
-    ``1 / ep`` (see :mod:`kiln.parallel.expert`).
+    ``1 / ep`` (see :mod:`kiln.parallel.transforms.expert_parallel`).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
@@ -282,7 +282,7 @@ class MoE(nn.Module):
         self.register_buffer("window_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.register_buffer("window_dropped", torch.zeros((), dtype=torch.long), persistent=False)
         self.aux_loss: torch.Tensor | None = None
-        # Set by expert parallelism (kiln.parallel.expert): the all-to-all dispatch. None: local.
+        # Set by expert parallelism (kiln.parallel.transforms.expert_parallel): the all-to-all dispatch. None: local.
         self.dispatcher: Dispatcher | None = None
         self._forwards_since_update = 0
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.core.batch import IGNORE_INDEX
 from kiln.core.model import Model
-from kiln.models.huggingface import IGNORE_INDEX
 from kiln.models.moe import FeedForward, MoE, aux_loss
 
 __all__ = ["MoELlamaConfig", "MoELlama"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 
-from kiln.models.huggingface import IGNORE_INDEX
+from kiln.core.batch import IGNORE_INDEX
 
 __all__ = ["LanguagePerplexity"]
 

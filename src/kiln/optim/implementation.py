@@ -168,7 +168,7 @@ def apply_default_implementation(optimizer: Any) -> dict[Implementation, int]:
 
 def refresh_default_implementation(optimizer: Any) -> dict[Implementation, int]:
     """Choose again for the groups :func:`apply_default_implementation` filled in, after a strategy
-    pointed them at other parameters (:func:`kiln.parallel.optimizer_params.repoint_optimizer`
+    pointed them at other parameters (:func:`kiln.parallel.state.optimizer_params.repoint_optimizer`
     calls it). Groups the user set, and optimizers kiln never filled, are left as they are."""
     cls, groups, direct = _torch_optimizer(optimizer)
     entry = _FILLED.get(optimizer)

@@ -27,7 +27,7 @@ One training microbatch, :meth:`ContextParallel.step`:
 
 torch's ring attention has sharding rules for the CUDA attention kernels (flash, efficient,
 cuDNN) only: ``cp > 1`` is refused on any other device (:func:`check_context_parallel`). The dry
-run (:mod:`kiln.parallel.dry_run`, CPU and fake tensors) runs ``ContextParallel(ring=False)``
+run (:mod:`kiln.planning.dry_run`, CPU and fake tensors) runs ``ContextParallel(ring=False)``
 instead: torch's split and the same loss reduction, with attention over keys and values
 all-gathered over ``cp`` (what torch's ``allgather`` rotation moves and holds), so ``kiln plan
 --dry-run`` counts the sequence's share of the activations and the ring's bytes.
@@ -42,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln.core.batch import IGNORE_INDEX
+
 __all__ = [
     "IGNORE_INDEX",
     "SEQUENCE_KEYS",
@@ -50,7 +52,6 @@ __all__ = [
     "prepare_batch",
 ]
 
-IGNORE_INDEX = -100  # transformers' label value for positions that count in no loss
 # The batch entries split on the sequence dimension (dim 1), in this order.
 SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "shift_labels")
 

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from kiln.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
-    from kiln.parallel.parallelize import ParallelizePlan
+    from kiln.parallel.transforms.parallelize import ParallelizePlan
 
 __all__ = ["DDP"]
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kiln.parallel.parallelize import parallelize
 from kiln.parallel.strategy import Strategy
+from kiln.parallel.transforms.parallelize import parallelize
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context

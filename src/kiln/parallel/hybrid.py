@@ -1,6 +1,6 @@
 """Hybrid parallelism on one ``DeviceMesh``: pipeline x (replicate x shard) data x tensor.
 
-The parallelisms are applied in :mod:`kiln.parallel.parallelize`'s order (torchtitan's), each one
+The parallelisms are applied in :mod:`kiln.parallel.transforms.parallelize`'s order (torchtitan's), each one
 step: placement on the whole model; the cut into pipeline stages (this rank keeps its own); then on
 each stage tensor parallelism, which turns Linear weights into DTensors on the ``tp`` mesh, and
 FSDP2 over the data-parallel mesh, which shards those DTensors again along the data dimension
@@ -10,7 +10,7 @@ holds when it is applied.
 ``dp_replicate > 1`` with ``dp_shard > 1`` is HSDP: parameters sharded within a group of
 ``dp_shard`` ranks and replicated across ``dp_replicate`` groups.
 
-``ep > 1`` is expert parallelism (:mod:`kiln.parallel.expert`): the experts of the model's
+``ep > 1`` is expert parallelism (:mod:`kiln.parallel.transforms.expert_parallel`): the experts of the model's
 :class:`kiln.models.MoE` layers split over ``ep`` ranks taken from ``dp_shard``, tokens sent to them
 with all-to-alls; the experts are FSDP-sharded over the rest of ``dp_shard``.
 
@@ -28,15 +28,16 @@ import torch
 from torch import nn
 
 from kiln.parallel.context import ContextParallel, check_context_parallel
-from kiln.parallel.expert import check_expert_parallel
-from kiln.parallel.grad_norm import clip_grad_norm_
-from kiln.parallel.mesh import ParallelDims, dp_coordinate
-from kiln.parallel.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
-from kiln.parallel.pipeline import SCHEDULES, PipelineRuntime, PipelineSteps, stage_count_error, validate_split_points
-from kiln.parallel.pipeline_schedules import SPLIT_BACKWARD
-from kiln.parallel.tensor import check_tp_size, matching_modules, resolve_tp_plan
-from kiln.parallel.tp_trace import traced_as_tp_rank
-from kiln.parallel.traced_casts import drop_cast_assertions
+from kiln.parallel.pipeline import PipelineSteps
+from kiln.parallel.pipelining.runtime import PipelineRuntime, validate_split_points
+from kiln.parallel.pipelining.schedules import SCHEDULES, SPLIT_BACKWARD, stage_count_error
+from kiln.parallel.pipelining.tp_trace import traced_as_tp_rank
+from kiln.parallel.pipelining.traced_casts import drop_cast_assertions
+from kiln.parallel.state.grad_norm import clip_grad_norm_
+from kiln.parallel.state.mesh import ParallelDims, dp_coordinate
+from kiln.parallel.transforms.expert_parallel import check_expert_parallel
+from kiln.parallel.transforms.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
+from kiln.parallel.transforms.tensor_parallel import check_tp_size, matching_modules, resolve_tp_plan
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -127,7 +128,7 @@ class Hybrid(PipelineSteps):
         tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         check_expert_parallel(model, dims.ep)
-        dry_run = ctx.backend == "fake"  # kiln.parallel.fake_world: the dry run's stand-in attention
+        dry_run = ctx.backend == "fake"  # kiln.planning.fake_world: the dry run's stand-in attention
         if not dry_run:
             check_context_parallel(dims.cp, ctx.device.type)
         if dims.pp > 1:
@@ -181,7 +182,7 @@ class Hybrid(PipelineSteps):
             plan.dims.pp,
             prepare_stage=prepare_stage,
             # the trace sees each split layer as one tensor-parallel rank will (grouped-query attention's
-            # repeated heads are sized from it): kiln.parallel.tp_trace
+            # repeated heads are sized from it): kiln.parallel.pipelining.tp_trace
             trace_context=lambda traced: traced_as_tp_rank(traced, plan.tp_plan, plan.dims.tp if plan.dims else 1),
         ), optimizer
 

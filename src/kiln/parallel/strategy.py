@@ -6,7 +6,7 @@ type switches). The Engine calls the strategy's methods unconditionally and neve
 strategy it runs under (Lightning Fabric's pattern):
 
 =======================  ======================================================================
-``setup``                wrap model and optimizer: the model through :mod:`kiln.parallel.parallelize`
+``setup``                wrap model and optimizer: the model through :mod:`kiln.parallel.transforms.parallelize`
 ``make_scaler``          the fp16 loss scaler, if any (DeepSpeed: none, it scales itself)
 ``set_grad_sync``        whether the next backward synchronises gradients (before the forward)
 ``microbatch_context``   what a training microbatch's forward and backward run inside
@@ -21,7 +21,7 @@ strategy it runs under (Lightning Fabric's pattern):
 A strategy overrides only what differs from a single device. ``setup`` runs the model
 transformations the strategy declares in ``steps`` (placement, float8, tensor parallel,
 expert parallel, activation checkpointing, compile, data parallel), always in the order of
-:mod:`kiln.parallel.parallelize`, each through an ``apply_<step>`` method that a strategy may
+:mod:`kiln.parallel.transforms.parallelize`, each through an ``apply_<step>`` method that a strategy may
 override on its own; ``parallelize_plan`` validates the strategy's options and builds its mesh
 before the first step. The checkpoint layer asks for model and optimizer state
 (``state_dict``/``load_state_dict``).
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from kiln.core.names import did_you_mean
-from kiln.parallel import parallelize as _steps
-from kiln.parallel.parallelize import ParallelizeOptions, ParallelizePlan, find_blocks, parallelize
+from kiln.parallel.transforms import parallelize as _steps
+from kiln.parallel.transforms.parallelize import ParallelizeOptions, ParallelizePlan, find_blocks, parallelize
 
 if TYPE_CHECKING:
     from kiln.launch.context import Context
@@ -59,7 +59,7 @@ _BUILTIN: dict[str, str] = {
     "pp": "kiln.parallel.pipeline:Pipeline",
     "hybrid": "kiln.parallel.hybrid:Hybrid",
     "deepspeed": "kiln.parallel.deepspeed:DeepSpeed",
-    "auto": "kiln.parallel.auto:Auto",
+    "auto": "kiln.cost.auto:Auto",
 }
 _REGISTERED: dict[str, type[Strategy]] = {}
 
@@ -80,7 +80,7 @@ class Strategy:
     """
 
     name: ClassVar[str] = "base"
-    # The model transformations setup applies (kiln.parallel.parallelize.STEPS gives their order):
+    # The model transformations setup applies (kiln.parallel.transforms.parallelize.STEPS gives their order):
     # a single device's. Strategies add tensor_parallel / data_parallel, or apply none (deepspeed).
     steps: ClassVar[tuple[str, ...]] = ("placement", "float8", "activation_checkpointing", "compile")
     # compile= / activation_checkpointing= / float8=, set before setup (all None: those steps do nothing).
@@ -112,7 +112,7 @@ class Strategy:
         plan = self.parallelize_plan(model, ctx, precision)
         return parallelize(self, model, plan, optimizer=optimizer), optimizer
 
-    # -- the model transformations (kiln.parallel.parallelize runs the declared ones in its order) --
+    # -- the model transformations (kiln.parallel.transforms.parallelize runs the declared ones in its order) --
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         """What ``setup`` applies. Strategies with options check them here, before any collective,
         then build their mesh (:meth:`ParallelizePlan.on_mesh`)."""
@@ -220,8 +220,8 @@ class Strategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, full: bool = False
     ) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` keyed by parameter name, for DCP (see
-        :mod:`kiln.parallel.dcp_state`); shards stay shards unless ``full``."""
-        from kiln.parallel.dcp_state import get_state_dict
+        :mod:`kiln.parallel.state.dcp_state`); shards stay shards unless ``full``."""
+        from kiln.parallel.state.dcp_state import get_state_dict
 
         return get_state_dict(model, optimizer, full=full)
 
@@ -235,7 +235,7 @@ class Strategy:
         strict: bool = True,
     ) -> None:
         """Load what :meth:`state_dict` returned, after ``dcp.load`` filled it."""
-        from kiln.parallel.dcp_state import set_state_dict
+        from kiln.parallel.state.dcp_state import set_state_dict
 
         set_state_dict(model, optimizer, state, full=full, strict=strict)
 
@@ -273,7 +273,7 @@ def _lookup(name: str) -> type[Strategy]:
 def get_strategy(spec: str | Strategy | None, ctx: Context | None = None, **options: Any) -> Strategy:
     """A Strategy from a name (with its options) or an existing object.
 
-    ``"auto"`` (and ``None``) is ``single`` for a world of 1; otherwise :class:`kiln.parallel.auto.Auto`,
+    ``"auto"`` (and ``None``) is ``single`` for a world of 1; otherwise :class:`kiln.cost.auto.Auto`,
     which estimates memory per rank at setup and uses ddp, zero1, zero2 or zero3 (``kiln plan``).
     """
     if isinstance(spec, Strategy):

@@ -87,9 +87,9 @@ def _auto_with_example(
 ) -> Any:
     """``strategy="auto"`` (or an ``Auto`` without ``example_input``) with the training loader's first
     microbatch as its example, so its plan counts activations. The loader is only peeked at
-    (:func:`kiln.parallel.auto.peek_first_batch`): its position and the run's random draws stay
+    (:func:`kiln.cost.auto.peek_first_batch`): its position and the run's random draws stay
     as they were. Any other strategy, or a loader that cannot be peeked, is left as it is."""
-    from kiln.parallel.auto import Auto, peek_first_batch
+    from kiln.cost.auto import Auto, peek_first_batch
     from kiln.parallel.strategy import get_strategy
 
     named_auto = strategy is None or (isinstance(strategy, str) and strategy.lower() == "auto")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -32,10 +32,25 @@ from kiln.launch.data import ShardSampler
 from kiln.trainer.evaluator import Evaluator, chosen_metrics, due_evaluators
 from kiln.trainer.loss_mean import LossMean
 
-if TYPE_CHECKING:
-    from kiln.trainer.trainer import Trainer
-
 __all__ = ["evaluate", "evaluate_sets", "evaluate_due", "fresh_metrics", "predict", "even_batches"]
+
+
+class Trainer(Protocol):
+    """What evaluation reads of the :class:`kiln.Trainer` it runs for (a protocol, so that this file,
+    which ``trainer.py`` imports, does not import it back)."""
+
+    state: Any
+    engine: Any
+    events: Any
+    logger: Any
+    options: Any
+    progress: Any
+    evaluators: list[Evaluator]
+    eval_metrics: Any
+    loss_fn: Any
+
+    def to_device(self, batch: Any) -> Any: ...
+    def forward(self, batch: Any) -> Any: ...
 
 
 def fresh_metrics(trainer: Trainer, label: str, evaluator: Evaluator | None = None) -> dict[str, Any]:

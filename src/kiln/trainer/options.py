@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
-from kiln.parallel.parallelize import ParallelizeOptions
+from kiln.parallel.transforms.parallelize import ParallelizeOptions
 from kiln.trainer.progress import parse_console_interval
 
 __all__ = [

@@ -188,7 +188,7 @@ def fully_shard_experts(
     efsdp``). Applied before the blocks' ``fully_shard``, which then leaves the experts' weights alone."""
     from torch.distributed.fsdp import fully_shard
 
-    from kiln.parallel.fsdp import fsdp_options
+    from kiln.parallel.transforms.data_parallel import fsdp_options
 
     options = fsdp_options(mesh, precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     for _, layer in _moe_layers(model):

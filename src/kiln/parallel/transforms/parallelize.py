@@ -9,12 +9,12 @@ differ; the defaults are the functions below):
 ============================  ===========================================================================
 ``placement``                 move to ``ctx.device``, cast to the precision's storage dtypes (every
                               strategy but deepspeed, whose ``deepspeed.initialize`` does both)
-``float8``                    float8 training of the Linear layers (torchao; :mod:`kiln.parallel.float8`)
+``float8``                    float8 training of the Linear layers (torchao; :mod:`kiln.parallel.transforms.float8`)
 (pipeline cut)                ``pp``/``hybrid`` cut the model into stages here; the steps below run on
                               each stage (on the whole model without a pipeline)
 ``tensor_parallel``           split Linear/Embedding weights over the ``tp`` mesh (``tp``, ``hybrid``)
 ``expert_parallel``           split the experts of MoE layers over the ``ep`` mesh, tokens sent to them
-                              with all-to-alls (``hybrid``; :mod:`kiln.parallel.expert`)
+                              with all-to-alls (``hybrid``; :mod:`kiln.parallel.transforms.expert_parallel`)
 ``activation_checkpointing``  recompute the activations of the blocks (or those a callable chose) in the
                               backward: ``"full"``, ``"selective"`` (op-level), ``"selective:N"``
 ``compile``                   ``torch.compile`` each block's forward (the whole module when it has none)
@@ -45,12 +45,12 @@ Why the order matters:
 * Activation checkpointing before compile: compile then traces the checkpointed block, so the
   recomputation is inside the compiled graph (torchtitan: checkpointing, then compile). The one
   exception, a torch bug with whole-block checkpointing over tensor-parallel weights, is in
-  :func:`kiln.parallel.levers.compile_module`.
+  :func:`kiln.parallel.transforms.levers.compile_module`.
 * Compile, block by block, before data parallelism: the compiled units are the blocks FSDP wraps
   next, so FSDP's per-block hooks (all-gather before a block, reduce-scatter after it) wrap each
   compiled block from outside instead of being traced into it.
 * Neither checkpointing nor compile renames anything: both change a block's ``forward`` in place
-  (:mod:`kiln.parallel.levers`), where torch's wrappers would add ``_checkpoint_wrapped_module.``
+  (:mod:`kiln.parallel.transforms.levers`), where torch's wrappers would add ``_checkpoint_wrapped_module.``
   and ``_orig_mod.`` to every name. The optimizer's re-pointing below goes by name, and a
   checkpoint saved with the levers on loads with them off and back.
 * Data parallelism last: ``fully_shard`` takes ownership of whatever parameters a module holds when
@@ -69,11 +69,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
-from kiln.parallel.levers import (
+from kiln.parallel.state.mesh import ParallelDims, cp_mesh, dp_mesh, ep_meshes, tp_mesh
+from kiln.parallel.transforms.levers import (
     check_compile_settings,
     checkpoint_every,
     checkpoint_module,
@@ -81,13 +82,11 @@ from kiln.parallel.levers import (
     compile_module,
     outermost,
 )
-from kiln.parallel.mesh import ParallelDims, cp_mesh, dp_mesh, ep_meshes, tp_mesh
 
 if TYPE_CHECKING:
     import torch
 
     from kiln.launch.context import Context
-    from kiln.parallel.strategy import Strategy
     from kiln.precision import Precision
 
 __all__ = [
@@ -123,6 +122,18 @@ STAGE_STEPS = STEPS[2:]
 SEAMS = ("float8", "activation_checkpointing", "compile")
 
 WrapSpec = str | type | Iterable[str | type] | None
+
+
+class Steps(Protocol):
+    """What :func:`parallelize` asks of a strategy (:class:`kiln.parallel.Strategy` is one): the steps
+    it declares, an ``apply_<step>`` method for each, and its plain module underneath. A protocol,
+    so this file, which the strategy interface imports, imports no strategy back."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def steps(self) -> tuple[str, ...]: ...
+    def unwrap(self, model: nn.Module) -> nn.Module: ...
 
 
 # -- the model's blocks ---------------------------------------------------------------------------
@@ -205,7 +216,7 @@ class ParallelizeOptions:
 
             * ``"full"``: every block (the least memory, one more forward's compute);
             * ``"selective"`` (also ``"selective:op"``): every block, keeping the outputs of the
-              matrix products and attention (:data:`kiln.parallel.levers.SAVED_OPS`) and
+              matrix products and attention (:data:`kiln.parallel.transforms.levers.SAVED_OPS`) and
               recomputing the cheap ops around them (torch's selective activation checkpointing);
             * ``"selective:N"``: every Nth block in full (``"selective:2"``: every other block,
               the 2nd, 4th, ...; ``"selective:1"`` is ``"full"``);
@@ -213,11 +224,11 @@ class ParallelizeOptions:
               ``ModuleList``/``ModuleDict`` containers) before any step changed it; the outermost
               modules it accepts are checkpointed in full.
         float8: ``True`` or a dict of torchao float8 settings (``recipe``, ``emulate``, ``skip``;
-            see :mod:`kiln.parallel.float8`): FP8 matmuls in the eligible Linear layers, on GPUs
+            see :mod:`kiln.parallel.transforms.float8`): FP8 matmuls in the eligible Linear layers, on GPUs
             with FP8 tensor cores (refused elsewhere, unless emulated).
 
     Both keep every parameter name: a checkpoint saved with them loads without them and back
-    (see :mod:`kiln.parallel.levers`).
+    (see :mod:`kiln.parallel.transforms.levers`).
 
     Example::
 
@@ -239,7 +250,7 @@ class ParallelizeOptions:
         if isinstance(self.compile, Mapping):
             check_compile_settings(self.compile)
         if self.float8 is not None:
-            from kiln.parallel.float8 import float8_settings
+            from kiln.parallel.transforms.float8 import float8_settings
 
             float8_settings(self.float8)  # its rules, checked before any step runs
         ac = self.activation_checkpointing
@@ -264,7 +275,7 @@ class ParallelizePlan:
         tp_mesh / tp_plan: tensor parallelism (``tp_mesh`` None: off); ``tp_plan`` is resolved.
         dp_mesh: the mesh FSDP shards over (None: no sharding).
         ep_mesh / experts_dp_mesh: expert parallelism's mesh (None: off) and the mesh FSDP shards
-            the experts over (``efsdp``, or ``dp_replicate x efsdp``); see :mod:`kiln.parallel.expert`.
+            the experts over (``efsdp``, or ``dp_replicate x efsdp``); see :mod:`kiln.parallel.transforms.expert_parallel`.
         cp_mesh: context parallelism's mesh (None: off; see :mod:`kiln.parallel.context`): no
             step changes the model for it, the training step splits the sequences.
         reshard_after_forward / cpu_offload: FSDP's settings.
@@ -311,7 +322,7 @@ class ParallelizePlan:
 
 # -- the pipeline -----------------------------------------------------------------------------------
 def parallelize(
-    strategy: Strategy,
+    strategy: Steps,
     model: nn.Module,
     plan: ParallelizePlan,
     *,
@@ -343,7 +354,7 @@ def parallelize(
         if step in strategy.steps and step in only:
             model = getattr(strategy, f"apply_{step}")(model, plan)
     if optimizer is not None:
-        from kiln.parallel.optimizer_params import repoint_optimizer
+        from kiln.parallel.state.optimizer_params import repoint_optimizer
 
         after = dict(strategy.unwrap(model).named_parameters())
         if any(before.get(name) is not p for name, p in after.items()):
@@ -362,11 +373,11 @@ def apply_placement(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
 
 
 def apply_float8(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """torchao's float8 Linear layers in place of the eligible ones (see :mod:`kiln.parallel.float8`);
+    """torchao's float8 Linear layers in place of the eligible ones (see :mod:`kiln.parallel.transforms.float8`);
     refused with one line where FP8 cannot run. Does nothing with ``float8=None``."""
     if plan.options.float8 is None:
         return model
-    from kiln.parallel.float8 import convert_float8
+    from kiln.parallel.transforms.float8 import convert_float8
 
     return convert_float8(model, plan.options.float8, plan.ctx.device)
 
@@ -376,17 +387,17 @@ def apply_tensor_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     pipeline stage holds some of them). Does nothing without a ``tp_mesh``."""
     if plan.tp_mesh is None:
         return model
-    from kiln.parallel.tensor import apply_tp, matching_modules
+    from kiln.parallel.transforms.tensor_parallel import apply_tp, matching_modules
 
     return apply_tp(model, plan.tp_mesh, {p: s for p, s in plan.tp_plan.items() if matching_modules(model, p)})
 
 
 def apply_expert_parallel(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     """Split each :class:`kiln.models.MoE` layer's experts over ``plan.ep_mesh`` and dispatch its
-    tokens with all-to-alls (:mod:`kiln.parallel.expert`). Does nothing without an ``ep_mesh``."""
+    tokens with all-to-alls (:mod:`kiln.parallel.transforms.expert_parallel`). Does nothing without an ``ep_mesh``."""
     if plan.ep_mesh is None:
         return model
-    from kiln.parallel.expert import apply_expert_parallel as split_experts
+    from kiln.parallel.transforms.expert_parallel import apply_expert_parallel as split_experts
 
     return split_experts(model, plan.ep_mesh)
 
@@ -425,10 +436,10 @@ def fully_shard_blocks(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     Does nothing without a ``dp_mesh``."""
     if plan.dp_mesh is None:
         return model
-    from kiln.parallel.fsdp import apply_fsdp
+    from kiln.parallel.transforms.data_parallel import apply_fsdp
 
     if plan.experts_dp_mesh is not None:  # the experts on their own mesh, before their blocks take them
-        from kiln.parallel.expert import fully_shard_experts
+        from kiln.parallel.transforms.expert_parallel import fully_shard_experts
 
         fully_shard_experts(
             model,

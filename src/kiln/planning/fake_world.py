@@ -8,7 +8,7 @@ tools use it:
   process group answers every collective at once and moves nothing, so rank ``r`` of a world of
   512 runs alone. torch has no public home for it; torchtitan's dry run imports it the same way.
 * ``FakeTensorMode`` (``torch._subclasses``): every tensor the run makes is a fake one, as in
-  :mod:`kiln.parallel.activation_memory`, so a Llama-3-8B costs no memory and its forward no compute.
+  :mod:`kiln.cost.activations`, so a Llama-3-8B costs no memory and its forward no compute.
 * DTensor's caches of sharding decisions are cleared when a fake world begins and ends (they
   hold meshes, and one process may make several worlds, one rank after another).
 * ``unset_fake_temporarily``: a ``DeviceMesh`` computes this rank's coordinates from a real tensor

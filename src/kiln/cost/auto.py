@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kiln.parallel.plan import PlanRow, activation_summary, choice_line, format_table, plan_table
+from kiln.cost.memory import PlanRow, activation_summary, choice_line, format_table, plan_table
 from kiln.parallel.strategy import Strategy, get_strategy
 
 if TYPE_CHECKING:
@@ -21,8 +21,8 @@ __all__ = ["Auto", "peek_first_batch"]
 
 class Auto(Strategy):
     """Picks ``ddp``, ``zero1``, ``zero2`` or ``zero3``: of those whose memory estimate
-    (:func:`kiln.parallel.plan.plan_table`) fits, the cheapest step by the cost model of ``kiln plan
-    --search`` (:func:`kiln.parallel.search.data_parallel_seconds`, this machine's device class;
+    (:func:`kiln.cost.memory.plan_table`) fits, the cheapest step by the cost model of ``kiln plan
+    --search`` (:func:`kiln.cost.step_time.data_parallel_seconds`, this machine's device class;
     the earlier on a tie), then behaves exactly as the pick.
 
     With ``example_input`` the estimate counts activations, and when no strategy fits without
@@ -35,7 +35,7 @@ class Auto(Strategy):
         memory_budget: bytes one rank may use (default: ``$KILN_MEMORY_BUDGET_BYTES``, else the
             device's free memory).
         example_input: one microbatch, to measure activation memory on fake tensors (see
-            :func:`kiln.parallel.activation_memory.estimate_activations`).
+            :func:`kiln.cost.activations.estimate_activations`).
 
     After ``setup``, ``chosen`` is the strategy in use, ``reason`` says why and ``table`` holds
     every candidate (what ``kiln plan`` prints).

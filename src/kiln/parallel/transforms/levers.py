@@ -3,7 +3,7 @@
 torch's own wrappers rename what they wrap: ``checkpoint_wrapper`` puts the block under
 ``_checkpoint_wrapped_module.`` and ``torch.compile(block)`` under ``_orig_mod.``, so a checkpoint
 written with the lever on would not load with it off, and the optimizer's re-pointing by parameter
-name (:func:`kiln.parallel.parallelize.parallelize`) would lose track. Here the module object stays
+name (:func:`kiln.parallel.transforms.parallelize.parallelize`) would lose track. Here the module object stays
 where it is and only its ``forward`` changes: an instance attribute ``forward`` bound to the module
 (``types.MethodType``), which ``nn.Module.__call__`` finds before the class's. So
 
@@ -83,7 +83,7 @@ def outermost(names: Iterable[str]) -> list[str]:
 
 def checkpoint_targets(model: nn.Module, mode: str | Callable[[nn.Module], bool], blocks: Sequence[str]) -> list[str]:
     """The names of the modules ``activation_checkpointing=mode`` wraps, ``blocks`` being the
-    model's (:func:`kiln.parallel.parallelize.find_blocks`).
+    model's (:func:`kiln.parallel.transforms.parallelize.find_blocks`).
 
     A choice that wraps nothing is an error: a silent no-op would leave the memory where it was.
     """

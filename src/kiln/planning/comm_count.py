@@ -6,7 +6,7 @@ parallel redistributions (the functional ``_c10d_functional`` ops, which do not 
 ``torch.distributed`` Python functions), a pipeline schedule's sends and receives. A
 ``TorchDispatchMode`` sees each of them once (inside it, the op runs with the mode off), with its
 tensors and its process group, which is how torch's own ``CommDebugMode`` counts them. Under a
-fake process group (:mod:`kiln.parallel.fake_world`) nothing moves, but the ops and their tensors
+fake process group (:mod:`kiln.planning.fake_world`) nothing moves, but the ops and their tensors
 are the same, so the count is what the real run would move.
 
 What one call counts, per rank (the size of the collective's whole buffer, as NCCL's tests

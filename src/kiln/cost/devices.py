@@ -1,6 +1,6 @@
 """The device classes ``kiln plan --search`` (and ``strategy="auto"``) plans for: one table.
 
-Per device, the constants of the cost model of :mod:`kiln.parallel.search`:
+Per device, the constants of the cost model of :mod:`kiln.planning.search`:
 
 * ``bf16_flops``: the dense bf16 tensor-core peak, FLOP/s (the vendors' data sheets, as
   :mod:`kiln.callbacks.device_flops` has them for MFU; a test keeps the two equal);

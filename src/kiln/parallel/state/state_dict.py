@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from kiln.engine import Engine
 
 __all__ = ["full_model_state_dict"]
 
 # torch's key for what a module's get_extra_state returns (nn.Module's _EXTRA_STATE_KEY_SUFFIX):
 # a module's own extra state, any picklable object (a HuggingFaceModel's is its config as JSON).
 _EXTRA_STATE = "_extra_state"
+
+
+class Engine(Protocol):
+    """What this reads of a :class:`kiln.Engine` (the layer above the strategies: a protocol, not an
+    import): its wrapped model and the strategy that knows its layout."""
+
+    model: nn.Module
+    strategy: Any
 
 
 @overload

@@ -2,7 +2,7 @@
 
 ``kiln plan -f run.yaml --world-size 512 --dry-run`` and ``kiln train -f run.yaml --dry-run`` run
 the code a real launch runs, up to and through one optimizer step, as one rank of the world at a
-time, on a fake process group and fake tensors (:mod:`kiln.parallel.fake_world`):
+time, on a fake process group and fake tensors (:mod:`kiln.planning.fake_world`):
 
 1. the run file is read and checked as ``kiln train`` reads it, for the world size asked;
 2. the model is built on the meta device (no weights: an 8B model costs nothing), and the
@@ -29,11 +29,11 @@ What is measured, per rank (bytes; see ``docs/planning.md`` for the JSON keys):
 * ``activations``: the most bytes alive at once during the step's forwards and backwards, less
   the gradients: what autograd saves (with the run's checkpointing), FSDP's gathered parameters
   and communication buffers, and the backward's temporaries, measured storage by storage on the
-  fake tensors as :mod:`kiln.parallel.activation_memory` does;
+  fake tensors as :mod:`kiln.cost.activations` does;
 * ``peak``: parameters and optimizer state (held through every step of a run) plus the most bytes
   alive at once during the whole step, gradients and the optimizer's temporaries included;
 * ``collectives``: the bytes each collective moves in the step, by kind and mesh dimension
-  (:mod:`kiln.parallel.comm_count`; a pipeline's sends and receives are counted as they run);
+  (:mod:`kiln.planning.comm_count`; a pipeline's sends and receives are counted as they run);
 * ``checkpoint``: the tensor bytes and entries this rank's part of a sharded checkpoint holds.
 
 The ranks measured are the first of each pipeline stage (rank 0 with no pipeline): the others of
@@ -55,7 +55,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from kiln.parallel.comm_count import KINDS, CollectiveCounter
+from kiln.planning.comm_count import KINDS, CollectiveCounter
 
 if TYPE_CHECKING:
     from kiln.config.args import TrainerArgs
@@ -223,7 +223,7 @@ def _checkpoint_plan(engine: Engine, is_coordinator: bool) -> tuple[int, int]:
     as :func:`kiln.checkpoint.formats.dcp_writer_and_planner` makes it for ``save_type="sharded"``)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from kiln.parallel.fake_world import real_tensors
+    from kiln.planning.fake_world import real_tensors
 
     state = engine.strategy.state_dict(engine.model, engine.optimizer)
     planner = DefaultSavePlanner()
@@ -250,7 +250,7 @@ def _loss_of(engine: Engine) -> Any:
 def measure_step(engine: Engine, microbatches: Sequence[Any], sizes: dict[str, int], rank: int) -> RankReport:
     """Run one training step of ``microbatches`` through ``engine`` and measure it (see the module
     docstring). Under a pipeline whose stages are not built yet, a first step builds them."""
-    from kiln.parallel.activation_memory import _LiveBytes
+    from kiln.cost.activations import _LiveBytes
 
     loss_of = _loss_of(engine)
     pipeline = getattr(engine.strategy, "pipeline", None)
@@ -341,8 +341,8 @@ def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Eng
 
     # the config CLI's own builders, so the dry run builds what kiln train builds
     from kiln.config.trainer_builder import _activation_checkpointing, _model, _strategy, build_precision
-    from kiln.parallel.fake_world import fake_world
     from kiln.parallel.strategy import get_strategy
+    from kiln.planning.fake_world import fake_world
     from kiln.trainer.building import build_engine
     from kiln.trainer.options import LeverOptions
 

@@ -164,9 +164,9 @@ class _LiveBytes(TorchDispatchMode):
 
 def checkpointed_modules(model: nn.Module, activation_checkpointing: Any) -> tuple[list[str], bool]:
     """(names of the modules ``activation_checkpointing`` wraps, whether it keeps matmul outputs):
-    the choice the parallelize pipeline makes (:func:`kiln.parallel.levers.checkpoint_targets`)."""
-    from kiln.parallel.levers import checkpoint_every, checkpoint_targets
-    from kiln.parallel.parallelize import find_blocks
+    the choice the parallelize pipeline makes (:func:`kiln.parallel.transforms.levers.checkpoint_targets`)."""
+    from kiln.parallel.transforms.levers import checkpoint_every, checkpoint_targets
+    from kiln.parallel.transforms.parallelize import find_blocks
 
     mode = activation_checkpointing
     if mode is None:
@@ -190,7 +190,7 @@ def _checkpointing(model: nn.Module, activation_checkpointing: Any) -> Iterator[
     if save_matmuls:  # torch's selective checkpointing with the policy kiln applies
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        from kiln.parallel.levers import save_matmuls_policy
+        from kiln.parallel.transforms.levers import save_matmuls_policy
 
         context_fn = functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
 
@@ -297,7 +297,7 @@ def estimate_activations(
         example_input: one microbatch as the forward takes it: the batch of a :class:`kiln.Model`;
             else a tensor, a tuple of positional arguments or a dict of keyword arguments.
         activation_checkpointing: ``None``, ``"full"``, ``"selective"``, ``"selective:N"`` or a
-            callable, as :class:`kiln.parallel.parallelize.ParallelizeOptions` takes it.
+            callable, as :class:`kiln.parallel.transforms.parallelize.ParallelizeOptions` takes it.
 
     Example::
 

@@ -27,42 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["local_linear_features", "traced_as_tp_rank"]
+from kiln.parallel.transforms.tensor_parallel import local_linear_features, matching_modules
 
-
-def local_linear_features(module: nn.Module, style: Any, tp: int) -> tuple[int, int] | None:
-    """(in_features, out_features) of the local computation of one rank, for an ``nn.Linear``
-    split by ``style`` over ``tp`` ranks; None when kiln does not know what the style leaves on a
-    rank (a custom ParallelStyle) or ``module`` is not a Linear.
-
-    ``style`` is a plan value: a style name (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``,
-    ``"rowwise_rep"``) or torch's ``ColwiseParallel``/``RowwiseParallel`` object.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if not isinstance(module, nn.Linear):
-        return None
-    n_in, n_out = module.in_features, module.out_features
-    if isinstance(style, str):
-        # rowwise_rep only changes the output's layout (gathered); its input is split as rowwise's
-        return {
-            "colwise": (n_in, n_out // tp),
-            "colwise_rep": (n_in, n_out),
-            "rowwise": (n_in // tp, n_out),
-            "rowwise_rep": (n_in // tp, n_out),
-        }.get(style)
-    if type(style) is ColwiseParallel:
-        out = style.output_layouts[0] if style.output_layouts else None
-        if isinstance(out, Replicate):
-            return n_in, n_out
-        if isinstance(out, Shard) and out.dim in (-1, 1) and style.use_local_output:
-            return n_in, n_out // tp
-        return None
-    if type(style) is RowwiseParallel:
-        inp = style.input_layouts[0] if style.input_layouts else None
-        return (n_in // tp, n_out) if isinstance(inp, Shard) and inp.dim == -1 else None
-    return None
+__all__ = ["traced_as_tp_rank"]
 
 
 class _LocalLinear(nn.Module):
@@ -86,7 +53,6 @@ class _LocalLinear(nn.Module):
 def traced_as_tp_rank(model: nn.Module, plan: Mapping[str, Any], tp: int) -> Iterator[None]:
     """Within the block, each Linear of ``model`` that ``plan`` splits over ``tp`` ranks computes
     what one rank will (see the module docstring); the originals are back on exit."""
-    from kiln.parallel.tensor import matching_modules
 
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
     try:

@@ -15,13 +15,13 @@ tp        split layers /W      (shown when the model has a ``tp_plan``)   per-la
 
 A is the activation memory of one microbatch, per rank: the most bytes alive during one forward
 and backward of ``example_input``, measured on fake tensors (no memory, no compute; see
-:mod:`kiln.parallel.activation_memory`), less the gradients (0 when no example is given). Every
+:mod:`kiln.cost.activations`), less the gradients (0 when no example is given). Every
 data-parallel rank runs its own microbatch, so each row carries the whole of it.
 
 ``auto`` takes, of the rows that fit the budget, the one whose step costs least by the cost model
-of ``kiln plan --search`` (:func:`kiln.parallel.search.data_parallel_seconds`: each strategy's
+of ``kiln plan --search`` (:func:`kiln.cost.step_time.data_parallel_seconds`: each strategy's
 collectives over the link the world crosses, plus the recomputed forward of checkpointing, with the
-constants of :mod:`kiln.parallel.devices` for this machine's device class); a tie goes to the
+constants of :mod:`kiln.cost.devices` for this machine's device class); a tie goes to the
 earlier row. Never ``tp``, which needs every rank of a tensor-parallel group to read the same batch.
 zero2 moves the gradients once and the parameters once, as DDP's all-reduce does (2 x their bytes),
 so it ties with ddp (ddp first) and costs less than zero1 (which adds a parameter gather to DDP's
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.parallel.activation_memory import ActivationEstimate, estimate_activations
+from kiln.cost.activations import ActivationEstimate, estimate_activations
 
 __all__ = [
     "PlanRow",
@@ -118,7 +118,7 @@ def optimizer_state_factor(optimizer: Any) -> int:
 
 def activation_bytes(model: nn.Module, example_input: Any, activation_checkpointing: Any = None) -> int:
     """Activation bytes of one microbatch: the peak of one forward and backward of ``example_input``
-    less the gradients, on fake tensors (:func:`kiln.parallel.activation_memory.estimate_activations`)."""
+    less the gradients, on fake tensors (:func:`kiln.cost.activations.estimate_activations`)."""
     return estimate_activations(model, example_input, activation_checkpointing=activation_checkpointing).peak
 
 
@@ -146,7 +146,7 @@ def memory_budget(
 
 
 def _largest_block(model: nn.Module) -> int:
-    from kiln.parallel.parallelize import find_blocks
+    from kiln.parallel.transforms.parallelize import find_blocks
 
     sizes = [sum(p.numel() * p.element_size() for p in model.get_submodule(n).parameters()) for n in find_blocks(model)]
     return max(sizes, default=sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -154,7 +154,7 @@ def _largest_block(model: nn.Module) -> int:
 
 def _tp_split_bytes(model: nn.Module) -> int:
     # Bytes of the parameters the model's own tp_plan splits (0 without a plan).
-    from kiln.parallel.tensor import matching_modules
+    from kiln.parallel.transforms.tensor_parallel import matching_modules
 
     plan = getattr(model, "tp_plan", None)
     if not plan:
@@ -198,7 +198,7 @@ def plan_table(
         world_size: ranks the run will have.
         budget: bytes per rank (default: :func:`memory_budget`).
         example_input: one microbatch, to measure activations (see
-            :func:`kiln.parallel.activation_memory.estimate_activations` for its form).
+            :func:`kiln.cost.activations.estimate_activations` for its form).
         activation_checkpointing: the run's choice (``"full"``, ``"selective"``, ...): activations are
             measured with it, and no ``+ckpt`` rows are added. None: rows without checkpointing,
             and with an example, ``+ckpt`` rows with every block checkpointed.
@@ -306,8 +306,8 @@ def _price_rows(
     devices_per_node: int | None,
 ) -> None:
     """Each row's seconds per step by the search's cost model, on this machine's device class."""
-    from kiln.parallel.devices import device_class_of
-    from kiln.parallel.search import data_parallel_seconds
+    from kiln.cost.devices import device_class_of
+    from kiln.cost.step_time import data_parallel_seconds
 
     device = device_class_of(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     tokens = _example_tokens(example_input) if example_input is not None else 0

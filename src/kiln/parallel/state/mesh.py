@@ -38,7 +38,7 @@ class ParallelDims:
         dp_shard: data-parallel shards (FSDP; parameters, gradients and optimizer state sharded).
         tp: tensor-parallel ranks.
         ep: expert-parallel ranks, taken from ``dp_shard`` (which it must divide): MoE experts
-            are split over them (:mod:`kiln.parallel.expert`).
+            are split over them (:mod:`kiln.parallel.transforms.expert_parallel`).
         cp: context-parallel ranks: each sequence split over them (:mod:`kiln.parallel.context`).
 
     Example::

@@ -50,7 +50,7 @@ def repoint_optimizer(
                 raise ValueError(
                     f"strategy={strategy!r} got an optimizer that already has state (it has "
                     "stepped); create the Engine/Trainer before the first optimizer step, or load "
-                    "the optimizer state afterwards with kiln.parallel.dcp_state.set_state_dict"
+                    "the optimizer state afterwards with kiln.parallel.state.dcp_state.set_state_dict"
                 )
     for group in optimizer.param_groups:
         params = []

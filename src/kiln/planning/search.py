@@ -31,7 +31,7 @@ Cost of one optimizer step, in seconds: ``compute + communication + bubble``.
 
 * compute: the stage's FLOPs (``(6 + 2 if checkpointed) x`` parameters per token, the attention's
   ``12 x layers x seq x heads x head_dim``, the LM head whole on each tensor-parallel rank) over
-  ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.parallel.devices`;
+  ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.cost.devices`;
 * communication, each collective's bytes over the bandwidth of the link its mesh dimension crosses
   (inside a node when the dimension's group fits in ``devices_per_node``, else the network), as a
   ring moves them: all-gather and reduce-scatter ``(n-1)/n x bytes``, all-reduce twice that,
@@ -58,14 +58,13 @@ from typing import Any
 
 from torch import nn
 
-from kiln.parallel.devices import COMPUTE_EFFICIENCY, DeviceClass
+from kiln.cost.devices import COMPUTE_EFFICIENCY, DeviceClass
 
 __all__ = [
     "ModelShape",
     "SearchPlan",
     "SearchResult",
     "search",
-    "data_parallel_seconds",
     "precision_bytes",
     "parse_bytes",
     "format_plans",
@@ -142,7 +141,7 @@ class ModelShape:
     def from_model(cls, model: nn.Module) -> ModelShape:
         """The shape of ``model`` (meta-device parameters count too): a transformer with a Hugging
         Face-style config (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ...)."""
-        from kiln.parallel.parallelize import find_blocks
+        from kiln.parallel.transforms.parallelize import find_blocks
 
         config: Any = next(
             (
@@ -330,7 +329,7 @@ def _price(
     act_first = inflight * layers * kept + recompute + (logits if pp == 1 else 0)
     if pp > 1 and amp:
         # the last stage's output, bf16 logits under autocast, cast back to the traced fp32 for the loss
-        # (kiln.parallel.pipeline_boundary): one more copy
+        # (kiln.parallel.pipelining.boundary): one more copy
         logits += t * shape.vocab * rb
     act_last = layers * kept + recompute + logits
     activations = max(act_first, act_last) + gathered
@@ -518,42 +517,3 @@ def format_plans(result: SearchResult, top: int = 10) -> str:
 
 def _quote(arg: str) -> str:
     return f'"{arg}"' if any(c in arg for c in " '[{") else arg
-
-
-# (all-reduced gradients, gathered parameters, reduce-scattered gradients) per step, in units of
-# their bytes, of the data-parallel strategies strategy="auto" chooses among (kiln.parallel.plan):
-# DDP all-reduces the gradients; ZeRO-1 (ZeroRedundancyOptimizer over DDP) also gathers the updated
-# parameters; FSDP reduce-scatters the gradients and gathers the parameters once (zero2: kept from
-# forward to backward) or twice (zero3: again for the backward).
-_DATA_PARALLEL_TRAFFIC = {
-    "single": (0, 0, 0),
-    "ddp": (1, 0, 0),
-    "zero1": (1, 1, 0),
-    "zero2": (0, 1, 1),
-    "zero3": (0, 2, 1),
-}
-
-
-def data_parallel_seconds(
-    strategy: str,
-    param_bytes: int,
-    grad_bytes: int,
-    world_size: int,
-    device: DeviceClass,
-    *,
-    devices_per_node: int | None = None,
-    recompute_flops: float = 0.0,
-) -> float | None:
-    """Seconds of one step's communication and recomputation under a data-parallel strategy, by the
-    cost model of :func:`search` (ring collectives over the link the world crosses; the recomputed
-    forward of activation checkpointing at ``COMPUTE_EFFICIENCY`` of the peak). None for a strategy
-    it does not price (``tp``). The compute every candidate shares is left out: it does not rank."""
-    if strategy not in _DATA_PARALLEL_TRAFFIC:
-        return None
-    all_reduce, gather, reduce_scatter = _DATA_PARALLEL_TRAFFIC[strategy]
-    n = max(world_size, 1)
-    ring = (n - 1) / n
-    inside = n <= (devices_per_node or device.devices_per_node)
-    bandwidth = device.intra_node_bw if inside else device.inter_node_bw
-    moved = ring * (2 * all_reduce * grad_bytes + gather * param_bytes + reduce_scatter * grad_bytes)
-    return moved / bandwidth + recompute_flops / (device.bf16_flops * COMPUTE_EFFICIENCY)
