@@ -62,6 +62,7 @@ class AsyncCheckpoint:
             everyone = collectives.all_gather_object(written, self._group)
             failed = [(rank, part) for rank, part in enumerate(everyone) if not isinstance(part, dict)]
             if failed:
+                self.job.discard()  # every rank has stopped writing: free the space it took
                 rank, problem = failed[0]
                 raise CheckpointError(
                     self.job.tmp,
@@ -72,7 +73,11 @@ class AsyncCheckpoint:
                 files: dict[str, Any] = {}
                 for part in everyone:
                     files.update(part)
-                self.path = self.job.commit(files, self._update_last)
+                try:
+                    self.path = self.job.commit(files, self._update_last)
+                except BaseException:
+                    self.job.discard()
+                    raise
                 if self._on_commit is not None:
                     self._on_commit(self.path)
         except BaseException as exc:  # reported by wait(), in the training thread

@@ -12,7 +12,9 @@ On object stores (a URL save folder, see kiln.checkpoint.storage) the files go s
 ``ep3-ba120`` and the manifest, written last, is the commit; ``last`` is a pointer object.
 
 A failure on any rank is raised on every rank (nobody waits forever in a collective), and a crash
-at any point leaves only debris next to the previous, intact checkpoints.
+at any point leaves only debris next to the previous, intact checkpoints. A save that fails (a full
+disk above all) removes its own debris once every rank has stopped writing, so the space it took is
+free again; only a crash leaves debris, which the next run's start removes.
 
 The save folder must be one storage that every rank sees (as DCP assumes), and one run writes
 into a save folder at a time: a starting run removes the temporary debris it finds there.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -46,6 +49,7 @@ from kiln.checkpoint.serialization import check_dcp_bytes, read_dcp_metadata
 from kiln.checkpoint.state import run_config
 from kiln.checkpoint.storage import LOCAL as LOCAL_STORAGE
 from kiln.checkpoint.storage import as_path, storage_of
+from kiln.core.warn import KilnWarning
 
 __all__ = ["save_checkpoint", "load_checkpoint", "verify_checkpoint", "SaveJob"]
 
@@ -90,8 +94,36 @@ class SaveJob:
             error = exc
         except (Exception, CheckpointException) as exc:  # disk full, permissions, DCP's failure: name the folder
             error = self.write_failure(exc)
-        collectives.raise_together(error)
+        self.raise_together_discarding(error)
         return None
+
+    def raise_together_discarding(self, error: BaseException | None) -> None:
+        """:func:`collectives.raise_together`, removing the unfinished save first when any rank failed."""
+        try:
+            collectives.raise_together(error)  # also the barrier: no rank still writes into it
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Rank 0: remove what a failed save wrote (its temporary folder; on object stores its files).
+
+        A save that ran out of space would otherwise keep the disk full; nothing of it is a
+        checkpoint (no manifest, or no final name), and ``last`` still names the previous one.
+        """
+        if self.rank != 0 or not self.tmp.exists():
+            return
+        if not self.storage.renames and (self.tmp / layout.MANIFEST).exists():
+            return  # on an object store the manifest was the commit: a complete checkpoint stays
+        try:
+            layout.remove_checkpoint(self.tmp)
+        except Exception as exc:  # noqa: BLE001 - the save's own failure is the error to raise
+            warnings.warn(
+                f"could not remove the failed save {self.tmp} ({type(exc).__name__}: {exc}); "
+                "the next run removes it when it starts",
+                KilnWarning,
+                stacklevel=3,
+            )
 
     def write_failure(self, exc: BaseException) -> CheckpointError:
         return CheckpointError(
@@ -113,7 +145,7 @@ class SaveJob:
                 error = CheckpointError(
                     self.final, f"could not be committed ({exc})", "check the save folder is writable"
                 )
-        collectives.raise_together(error)  # also the barrier: everyone returns once it is visible
+        self.raise_together_discarding(error)  # also the barrier: everyone returns once it is visible
         return self.final
 
     def commit(self, files: Records | None = None, update_last: bool = True) -> Any:
