@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from kiln.core.event import Event
 from kiln.core.model import Model
 from kiln.core.state import State
 from kiln.core.time import Time, TimeUnit
+from kiln.core.warn import KilnWarning
 from kiln.engine import Engine, move_to_device
 from kiln.launch import heartbeat
 from kiln.launch.context import resolve_device, seed_everything
@@ -325,20 +327,26 @@ class Trainer:
         return ShardSampler.wrap(loader, self.engine.data_parallel_size, self.engine.data_parallel_rank)
 
     def _load(self, load_path: Any, autoresume: bool, save_folder: Any) -> None:
-        if autoresume:  # with a save_folder: CheckpointOptions checked it
-            from kiln.checkpoint.layout import resolve_checkpoint
-
-            if resolve_checkpoint(save_folder, "last", False, self.options.checkpointing.storage_options) is not None:
-                load_path = "last"
-        if load_path is None:
-            return
         from kiln.checkpoint import load_checkpoint
+        from kiln.checkpoint.autoresume import load_newest_intact, resume_candidates
         from kiln.checkpoint.layout import resolve_checkpoint
 
-        path = resolve_checkpoint(save_folder, load_path, storage_options=self.options.checkpointing.storage_options)
-        assert path is not None  # must_exist: resolve_checkpoint raised otherwise
+        storage_options = self.options.checkpointing.storage_options
+        # autoresume (with a save_folder: CheckpointOptions checked it) wins over load_path once
+        # the folder holds a checkpoint: the newest that verifies, a damaged `last` named and
+        # skipped rather than failing every restart. An explicit load_path fails loudly instead.
+        candidates = resume_candidates(save_folder, storage_options) if autoresume else []
+        path = None
+        if not candidates and load_path is not None:
+            path = resolve_checkpoint(save_folder, load_path, storage_options=storage_options)
+            assert path is not None  # must_exist: resolve_checkpoint raised otherwise
+        if not candidates and path is None:
+            return
         self.events.run(Event.BEFORE_LOAD)
-        load_checkpoint(path, self.state)
+        if candidates:
+            load_newest_intact(candidates, self.state, save_folder, storage_options)
+        else:
+            load_checkpoint(path, self.state)
         self.events.run(Event.AFTER_LOAD)
         # A mark on the run's time axis (where `kiln report` draws the resume); no device read.
         self.logger.log_metrics({"checkpoint/resumed": 1}, step=self.state.timestamp.batch.value)
@@ -457,8 +465,13 @@ class Trainer:
             run(Event.FIT_END)
             self.logger.flush()
             progress.finish(state, self._saver.last_path if self._saver is not None else None)
-        except RuntimeError as exc:
-            heartbeat.raise_if_timed_out(exc)  # a collective timed out: say which rank is missing
+        except BaseException as exc:
+            # An error, a peer's death (a failed collective), a preemption's exit: what the
+            # loggers hold is written before the process can end (they stay open for a caller
+            # that goes on; the interpreter's exit and SIGTERM close them, kiln.loggers.flushing).
+            self._flush_loggers()
+            if isinstance(exc, RuntimeError):
+                heartbeat.raise_if_timed_out(exc)  # a collective timed out: say which rank is missing
             raise
         finally:
             if hook_callback is not None:
@@ -677,6 +690,18 @@ class Trainer:
         from kiln.checkpoint import load_checkpoint
 
         load_checkpoint(path, self.state, storage_options=self.options.checkpointing.storage_options)
+
+    def _flush_loggers(self) -> None:
+        """Flush every logger on this rank without raising: the error on its way out stays the one seen."""
+        for destination in self.logger.destinations:
+            try:
+                destination.flush()
+            except Exception as exc:  # noqa: BLE001 - a full disk must not hide the run's own error
+                warnings.warn(
+                    f"{type(destination).__name__} could not flush its records ({type(exc).__name__}: {exc})",
+                    KilnWarning,
+                    stacklevel=2,
+                )
 
     def close(self) -> None:
         """Release loggers and callbacks (files, writers)."""
