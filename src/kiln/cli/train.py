@@ -230,6 +230,14 @@ def train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(e)
     if nproc is not None and launcher is None:
+        # the dry run's checks of the plan (mesh, heads and experts against tp and ep, pipeline
+        # splits and schedule), here, in seconds on the meta device, rather than in every worker
+        from kiln.planning.dry_run import check_plan
+
+        try:
+            check_plan(trainer_args, nproc)
+        except (ValueError, TypeError) as e:  # ConfigError is a ValueError; so are the strategies' checks
+            return _fail(e)
         return _relaunch(args, nproc)
     return run_training(trainer_args)
 

@@ -323,6 +323,10 @@ def first_microbatch(args: TrainerArgs) -> Any:
     return collate(samples)
 
 
+class NotDryRunnable(ValueError):
+    """The run's strategy cannot be dry-run (:data:`_REAL_STORAGE` says why)."""
+
+
 # Strategies whose setup reads the parameters' storage, which fake tensors do not have.
 _REAL_STORAGE = {
     "ddp": "DistributedDataParallel checks and buckets the parameters' data in C++",
@@ -362,7 +366,7 @@ def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Eng
     with fake_world(world_size, rank) as ctx:
         strategy = get_strategy(_strategy(args, ctx), ctx)
         if strategy.name in _REAL_STORAGE:
-            raise ValueError(
+            raise NotDryRunnable(
                 f"compute_config.strategy: {strategy.name!r} cannot be dry-run: {_REAL_STORAGE[strategy.name]}; "
                 "dry-run the run with strategy fsdp (or a hybrid mesh), or see its memory with kiln plan "
                 "(no --dry-run)"
@@ -380,6 +384,25 @@ def _engine(args: TrainerArgs, world_size: int, rank: int) -> Iterator[tuple[Eng
             ctx=ctx,
         )
         yield engine, num_parameters
+
+
+def check_plan(args: TrainerArgs, world_size: int) -> None:
+    """The configuration checks of a dry run without its step, for ``kiln train`` to make before any
+    worker starts: rank 0's model (on the meta device: no weights), strategy and Engine are built in
+    a fake world of ``world_size``, so a mesh that does not fit the world, a ``tp`` that does not
+    divide the heads or key/value heads, an ``ep`` that does not divide the experts, a pipeline split
+    or schedule that cannot run are refused with the message the real run (and ``kiln plan
+    --dry-run``) gives. A strategy that cannot be dry-run (ddp, zero1, deepspeed, auto) is left to
+    the run, whose own checks come first there too.
+
+    Raises:
+        ValueError, TypeError: a configuration error, in one line.
+    """
+    try:
+        with _engine(args, world_size, 0):
+            pass
+    except NotDryRunnable:
+        return
 
 
 def dry_run_rank(args: TrainerArgs, world_size: int, rank: int, microbatch: Any) -> tuple[RankReport, Engine, int]:
