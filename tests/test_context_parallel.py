@@ -173,8 +173,10 @@ def test_dry_run_counts_the_ring_and_splits_the_activations():
     assert "dp_shard+cp" in with_cp.collectives["reduce_scatter"]  # FSDP over dp_shard x cp
     assert with_cp.params == without.params  # 4 ranks shard the weights either way
     # each rank's share of the sequence: measured 0.64 x (the gathered keys and values stay
-    # whole); whole sequences on every rank would be 1.0 x or more
-    assert with_cp.activations < 0.75 * without.activations, (with_cp.activations, without.activations)
+    # whole); whole sequences on every rank would be 1.0 x or more, and a count that lost half of
+    # what a rank holds (0.32 x) is as wrong: bounded on both sides
+    ratio = with_cp.activations / without.activations
+    assert 0.55 < ratio < 0.75, (with_cp.activations, without.activations)
 
 
 def test_kiln_train_refuses_cp_on_cpu_before_any_process(tmp_path, monkeypatch, capsys):
