@@ -210,26 +210,27 @@ def run(args: argparse.Namespace) -> int:
 
     # The workers' tracebacks go to their error files and this process prints the first one;
     # with --redirects/--tee a rank's log is where its traceback belongs, so each prints its own.
+    # Set for torchrun's workers only: this process (a test, kiln train) may start others after.
     tracebacks = args.redirects is None and args.tee is None and os.environ.get("KILN_DEBUG") != "1"
+    saved = os.environ.pop(LAUNCHER_PRINTS_ENV, None)
     if tracebacks:
         os.environ[LAUNCHER_PRINTS_ENV] = "1"
-    else:
-        os.environ.pop(LAUNCHER_PRINTS_ENV, None)
     _quiet_replaced_torch_lines()
-    if args.log_dir is not None or args.redirects is not None or args.tee is not None:
-        return _launch(argv, None, _single_node(args), tracebacks)  # the user's folder: left as torchrun leaves it
-    # A log folder of our own: the workers' error files are found there even when torchrun's agent
-    # ends on another error, and it is removed afterwards (torch leaves a torchelastic_* folder).
-    log_dir = tempfile.mkdtemp(prefix="kiln-run-")
+    # Without a folder of the user's, one of our own: the workers' error files are found there even
+    # when torchrun's agent ends on another error, and it is removed afterwards (torch leaves a
+    # torchelastic_* folder). The user's is left as torchrun leaves it.
+    ours = args.log_dir is None and args.redirects is None and args.tee is None
+    log_dir = tempfile.mkdtemp(prefix="kiln-run-") if ours else None
     try:
-        return _launch(
-            torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir})),
-            log_dir,
-            _single_node(args),
-            tracebacks,
-        )
+        if log_dir is not None:
+            argv = torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir}))
+        return _launch(argv, log_dir, _single_node(args), tracebacks)
     finally:
-        shutil.rmtree(log_dir, ignore_errors=True)
+        if log_dir is not None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        os.environ.pop(LAUNCHER_PRINTS_ENV, None)
+        if saved is not None:
+            os.environ[LAUNCHER_PRINTS_ENV] = saved
 
 
 def compile_error(script: str) -> str | None:
