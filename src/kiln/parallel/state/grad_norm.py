@@ -39,6 +39,10 @@ def total_grad_norm(
         groups.setdefault(key, []).append(g)
     norms = []
     for grads in groups.values():
+        dims = _reduced_dims(grads[0])
+        if len(dims) > 1:
+            norms.append(_norm_over_dims(grads, norm_type, dims))
+            continue
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # the reduction over the ranks holding this group's shards
@@ -57,6 +61,33 @@ def total_grad_norm(
     powered = torch.stack([n.pow(norm_type) for n in norms]).sum() if norms else torch.zeros((), device=device)
     if pp_group is not None:
         dist.all_reduce(powered, group=pp_group)
+    return powered.pow(1.0 / norm_type)
+
+
+def _reduced_dims(grad: torch.Tensor) -> list[int]:
+    # the mesh dimensions (of more than one rank) that a DTensor gradient is split over
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return []
+    mesh = grad.device_mesh
+    return [i for i, p in enumerate(grad.placements) if not p.is_replicate() and mesh.size(i) > 1]
+
+
+def _norm_over_dims(grads: list[torch.Tensor], norm_type: float, dims: list[int]) -> torch.Tensor:
+    """The norm of gradients split over several mesh dimensions (FSDP x TP, experts over efsdp x
+    ep): each rank's local norm, combined over each dimension's group in turn, as DTensor's
+    ``full_tensor()`` of the norm would, without its warning that the dimensions are not one
+    flattened group (the same collectives: one small all-reduce per dimension)."""
+    mesh = grads[0].device_mesh  # type: ignore[attr-defined]  # a DTensor: _reduced_dims found dims
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type)  # type: ignore[attr-defined]
+    if math.isinf(norm_type):
+        for dim in dims:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        return local
+    powered = local.pow(norm_type)
+    for dim in dims:
+        dist.all_reduce(powered, group=mesh.get_group(dim))
     return powered.pow(1.0 / norm_type)
 
 
