@@ -38,6 +38,8 @@ class ComputeConfig:
             this many ranks, taken from dp_shard (a value above 1 selects the hybrid strategy).
         cp: context-parallel degree: each sequence split over this many ranks, which read the same
             batch (ring attention, CUDA only; a value above 1 selects the hybrid strategy).
+        sequence_parallel: with tp above 1, shard the residual stream and norms on the sequence (null: on for the models kiln has a plan for; false: off); the tp/hybrid strategy's option.
+        loss_parallel: with sequence parallelism, keep the logits sharded over the vocabulary and compute the loss on the shards (null: on with it; false: gathered logits).
         plan_ngpus: processes that hold one model replica (nnScaler); the rest is data parallel.
         runtime_ngpus: the world size this config is for; must equal the real world size when set.
         use_zero: shard optimizer state across data-parallel ranks (ZeRO-1: 'ddp' becomes 'zero1').
@@ -63,6 +65,8 @@ class ComputeConfig:
     pp: int = 1
     ep: int = 1
     cp: int = 1
+    sequence_parallel: bool | None = None
+    loss_parallel: bool | None = None
     plan_ngpus: int | None = None
     runtime_ngpus: int | None = None
     use_zero: bool = False
@@ -87,6 +91,21 @@ class ComputeConfig:
         for name in ("dp_replicate", "tp", "pp", "ep", "cp", "plan_ngpus", "runtime_ngpus"):
             check_count(self, name)
         check_count(self, "dp_shard", also=(-1,))
+        for name in ("sequence_parallel", "loss_parallel"):  # options of the tp and hybrid strategies
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.strategy_options.get(name, value) != value:
+                raise ConfigError(
+                    format_error(
+                        f"compute_config.{name}",
+                        value,
+                        f"the same as compute_config.strategy_options.{name} ({self.strategy_options[name]!r}), "
+                        "or only one of them",
+                    ),
+                    path=f"compute_config.{name}",
+                )
+            self.strategy_options = {**self.strategy_options, name: value}
         if self.zero_ngroups != 1:
             raise ConfigError(
                 format_error("zero_ngroups", self.zero_ngroups, "1 (kiln shards over the whole data-parallel group)"),

@@ -18,11 +18,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.core.batch import IGNORE_INDEX
 from kiln.core.model import Model
+from kiln.models.tp_plan import (
+    full_logits,
+    huggingface_sequence_parallel_plan,
+    huggingface_sequence_parallel_refusal,
+    huggingface_tp_plan,
+    token_mean_cross_entropy,
+)
 
 __all__ = ["HuggingFaceModel", "EXTRA_STATE_FORMAT", "is_huggingface_model", "model_task"]
 
@@ -99,7 +105,11 @@ class HuggingFaceModel(Model):
     Under every strategy the wrapper is the model kiln parallelises: its blocks are the
     transformers model's layers (``model.model.layers.0``, ...), tensor parallelism uses the
     model's own ``config.base_model_tp_plan`` when given no plan, and pipeline split points are
-    module names such as ``"model.model.layers.2"``.
+    module names such as ``"model.model.layers.2"``. For Llama-family causal LMs (Llama, Mistral,
+    Qwen2) tensor parallelism adds sequence and loss parallelism by default
+    (:mod:`kiln.parallel.transforms.sequence_parallel`): the logits then stay sharded over the
+    vocabulary, the labels are kept from the transformers model and :meth:`loss` computes the
+    token-mean cross-entropy on the shards; :meth:`eval_forward` and the metrics gather them whole.
 
     Example::
 
@@ -128,6 +138,10 @@ class HuggingFaceModel(Model):
         self.task = model_task(model)
         self.shift_labels = self.task == "causal_lm" if shift_labels is None else bool(shift_labels)
         self._metrics = _named_metrics(metrics)
+        # Set by tensor parallelism when its plan leaves the LM head's logits sharded over the
+        # vocabulary (kiln.parallel.transforms.sequence_parallel): forward then keeps the labels from
+        # the transformers model and loss computes the cross-entropy on the shards.
+        self.loss_parallel = False
         # A causal LM builds a key/value cache by default (config.use_cache), which training never
         # reads and a pipeline cannot pass between stages: turned off per call, not in the config,
         # so an exported model still generates with its cache.
@@ -202,6 +216,9 @@ class HuggingFaceModel(Model):
                 f"'labels': ...}}), got a {type(batch).__name__}; have the dataset or collate_fn return dicts"
             )
         kwargs = dict(batch)
+        if self.loss_parallel:  # logits sharded over the vocabulary: transformers' loss cannot take them
+            for key in _LABEL_KEYS:
+                kwargs.pop(key, None)
         if self._no_cache and "use_cache" not in kwargs:
             kwargs["use_cache"] = False
         return self.model(**kwargs)
@@ -232,11 +249,12 @@ class HuggingFaceModel(Model):
                 "takes labels=input_ids and shifts them itself)"
             )
         logits, target = self._aligned(_logits(outputs, batch), labels)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+        return token_mean_cross_entropy(logits, target)
 
     def eval_forward(self, batch: Any, outputs: Any | None = None) -> Any:
-        """The ``logits`` of ``batch`` (all positions, not shifted)."""
-        return _logits(outputs if outputs is not None else self(batch), batch)
+        """The ``logits`` of ``batch`` (all positions, not shifted); under loss parallelism gathered
+        whole over the vocabulary here (an all-gather), for predictions."""
+        return full_logits(_logits(outputs if outputs is not None else self(batch), batch))
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
         """Fresh copies of the metrics (each evaluator keeps its own)."""
@@ -260,12 +278,25 @@ class HuggingFaceModel(Model):
                 f"HuggingFaceModel metrics compare logits with batch['labels'], and this batch has none "
                 f"(its keys: {', '.join(map(str, batch))})"
             )
-        metric.update(*self._aligned(_logits(outputs, batch), labels))
+        # under loss parallelism the metrics (accuracy, perplexity) take the whole logits: gathered here only
+        metric.update(*self._aligned(full_logits(_logits(outputs, batch)), labels))
 
     def _aligned(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.shift_labels:
             return logits[:, :-1], labels[:, 1:]
         return logits, labels
+
+    def sequence_parallel_plan(self, *, loss_parallel: bool) -> dict[str, Any] | None:
+        """The tensor-parallel plan with sequence parallelism (and, with ``loss_parallel``, the
+        logits left sharded over the vocabulary) of a Llama-family causal LM
+        (:func:`kiln.models.tp_plan.huggingface_sequence_parallel_plan`); what ``TensorParallel()``
+        and ``Hybrid(tp=N)`` use by default. None when kiln has none for this model
+        (:meth:`sequence_parallel_refusal` says why)."""
+        return huggingface_sequence_parallel_plan(self, loss_parallel=loss_parallel)
+
+    def sequence_parallel_refusal(self) -> str | None:
+        """Why kiln has no sequence-parallel plan for this model, or None when it has one."""
+        return huggingface_sequence_parallel_refusal(self)
 
     @property
     def tp_plan(self) -> dict[str, str] | None:
@@ -273,8 +304,6 @@ class HuggingFaceModel(Model):
         wrapper's path (:func:`kiln.models.tp_plan.huggingface_tp_plan`); what ``TensorParallel()``
         and ``Hybrid(tp=N)`` use without a plan, and ``kiln plan`` counts. None when the config has
         none, or one kiln cannot translate (tensor parallelism then says which style)."""
-        from kiln.models.tp_plan import huggingface_tp_plan
-
         try:
             return huggingface_tp_plan(self)
         except ValueError:

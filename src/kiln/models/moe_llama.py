@@ -15,6 +15,7 @@ It builds from keyword arguments, so a YAML file names it like the LM example's 
 
 ``tp_plan`` splits the attention and the dense and shared feed-forwards over a tensor-parallel
 mesh; the routed experts are split by expert parallelism instead (``Hybrid(ep=...)``).
+``sequence_parallel_plan`` adds sequence and loss parallelism to it (tensor parallelism's default).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.core.batch import IGNORE_INDEX
 from kiln.core.model import Model
 from kiln.models.moe import FeedForward, MoE, aux_loss
+from kiln.models.tp_plan import full_logits, token_mean_cross_entropy
 
 __all__ = ["MoELlamaConfig", "MoELlama"]
 
@@ -218,6 +219,78 @@ class MoELlama(Model):
                 self.tp_plan.update({f"layers.{i}.{ffn}.w1": "colwise", f"layers.{i}.{ffn}.w3": "colwise"})
                 self.tp_plan[f"layers.{i}.{ffn}.w2"] = "rowwise"
 
+    def sequence_parallel_plan(self, *, loss_parallel: bool) -> dict[str, Any]:
+        """``tp_plan`` with sequence parallelism (torchtitan's Llama plan), what ``TensorParallel()``
+        and ``Hybrid(tp=N)`` use by default (:mod:`kiln.parallel.transforms.sequence_parallel`).
+
+        The embedding is split over the vocabulary and its output reduce-scattered to slices of the
+        sequence (``Shard(1)``); the residual stream and the norms stay sequence-sharded DTensors.
+        Each attention and dense feed-forward all-gathers the sequence, runs its column-wise
+        projections on its own heads or hidden units, and reduce-scatters the row-wise output back
+        to the shards; the rotary ``cos``/``sin`` are passed to the attention as they are (whole
+        sequence, like the gathered queries and keys). A MoE feed-forward takes the gathered
+        sequence and runs whole on every rank (its routed experts are not split by tensor
+        parallelism; its shared experts are, as in ``tp_plan``); its output is cut back to the
+        rank's slice. The last norm is sequence-sharded; the output layer gathers the sequence and
+        is split over the vocabulary: with ``loss_parallel`` its logits stay sharded there
+        (:func:`kiln.models.tp_plan.token_mean_cross_entropy` takes them), else they are gathered.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            PrepareModuleInputOutput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        def reduce_scatter() -> RowwiseParallel:
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+
+        gather: dict[str, Any] = {
+            "input_layouts": (Shard(1),),
+            "desired_input_layouts": (Replicate(),),
+            "use_local_input": True,
+        }
+        plan: dict[str, Any] = {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            ),
+            "layers.*.attention.wq": ColwiseParallel(),
+            "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(),
+            "layers.*.attention.wo": reduce_scatter(),
+            "layers.*.ffn_norm": SequenceParallel(),
+        }
+        for i in range(self.config.num_layers):
+            ffn = f"layers.{i}.feed_forward"
+            if i < self.config.num_dense_layers:
+                plan[ffn] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
+                plan.update(
+                    {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(), f"{ffn}.w2": reduce_scatter()}
+                )
+                continue
+            # the whole MoE on the gathered sequence; its output (the same on every rank) cut to the slice
+            plan[ffn] = PrepareModuleInputOutput(
+                **gather, output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False
+            )
+            if self.config.num_shared_experts:
+                shared = f"{ffn}.shared_experts"
+                plan.update({f"{shared}.w1": "colwise", f"{shared}.w3": "colwise", f"{shared}.w2": "rowwise"})
+        plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+        return plan
+
     def forward(self, batch: Any) -> torch.Tensor:  # noqa: D102
         tokens = _input_ids(batch)
         seq = tokens.shape[1]
@@ -244,7 +317,8 @@ class MoELlama(Model):
             logits, target = outputs, batch["shift_labels"]
         else:
             logits, target = outputs[:, :-1], _labels(batch)[:, 1:]
-        ce = F.cross_entropy(logits.reshape(-1, outputs.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+        # logits sharded over the vocabulary (loss parallelism) are never gathered for the loss
+        ce = token_mean_cross_entropy(logits, target)
         return ce + aux_loss(self) if self.training else ce
 
     def get_metrics(self, is_train: bool = False) -> dict[str, Any]:
@@ -253,7 +327,8 @@ class MoELlama(Model):
         return {"LanguagePerplexity": LanguagePerplexity()}
 
     def update_metric(self, batch: Any, outputs: Any, metric: Any) -> None:
-        metric.update(outputs[:, :-1], _labels(batch)[:, 1:])
+        # under loss parallelism the metric takes the whole logits: gathered here, and only here
+        metric.update(full_logits(outputs)[:, :-1], _labels(batch)[:, 1:])
 
 
 def _input_ids(batch: Any) -> torch.Tensor:

@@ -7,9 +7,24 @@ strategy is given no plan; the model wrappers expose it as their ``tp_plan``. It
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["huggingface_tp_plan", "is_huggingface_module"]
+from kiln.core.batch import IGNORE_INDEX
+
+__all__ = [
+    "huggingface_tp_plan",
+    "is_huggingface_module",
+    "SEQUENCE_PARALLEL_FAMILIES",
+    "huggingface_sequence_parallel_plan",
+    "huggingface_sequence_parallel_refusal",
+    "tied_embeddings",
+    "token_mean_cross_entropy",
+    "full_logits",
+]
 
 # The styles of a Hugging Face base_model_tp_plan that mean torch's ColwiseParallel / RowwiseParallel
 # with their defaults (the attention reshapes with -1 heads, so it runs on its local heads).
@@ -59,3 +74,218 @@ def huggingface_tp_plan(model: nn.Module) -> dict[str, str] | None:
             plan[f"{prefix}.{pattern}" if prefix else pattern] = _HF_STYLES[style]
         return plan
     return None
+
+
+# -- sequence parallelism and loss parallelism ---------------------------------------------------
+# The transformers decoders kiln has a sequence-parallel plan for: Llama's layout (pre-norm decoder
+# layers of input_layernorm, self_attn with q/k/v/o_proj called with hidden_states=..., and
+# post_attention_layernorm, mlp with gate/up/down_proj; embed_tokens and norm in the base model,
+# an lm_head beside it) and that base_model_tp_plan exactly.
+SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2")
+_LLAMA_BASE_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _first_huggingface(model: nn.Module) -> tuple[str, Any] | None:
+    # Any: a transformers PreTrainedModel (get_input_embeddings, get_output_embeddings, base_model)
+    return next(((n, m) for n, m in model.named_modules() if is_huggingface_module(m)), None)
+
+
+def _path(root: nn.Module, target: object) -> str | None:
+    return next((n for n, m in root.named_modules() if m is target), None)
+
+
+def huggingface_sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why kiln has no sequence-parallel plan for ``model`` (one clause), or None when it has one."""
+    found = _first_huggingface(model)
+    if found is None:
+        return f"{type(model).__name__} holds no Hugging Face model"
+    _, hf = found
+    config = hf.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SEQUENCE_PARALLEL_FAMILIES:
+        return f"its model_type {model_type!r} is not one of {', '.join(SEQUENCE_PARALLEL_FAMILIES)}"
+    if dict(getattr(config, "base_model_tp_plan", None) or {}) != _LLAMA_BASE_PLAN:
+        return f"its config.base_model_tp_plan is not the {model_type} one kiln's plan is written for"
+    head = hf.get_output_embeddings() if callable(getattr(hf, "get_output_embeddings", None)) else None
+    base = getattr(hf, "base_model", hf)
+    if head is None or base is hf or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "layers")):
+        return f"{type(hf).__name__} is not a causal LM with embed_tokens, norm and layers in its base model"
+    return None
+
+
+def tied_embeddings(model: nn.Module) -> bool:
+    """Whether the first Hugging Face model in ``model`` shares one weight between its input
+    embedding and its LM head (``tie_word_embeddings``): both cannot be split their own way."""
+    found = _first_huggingface(model)
+    if found is None:
+        return False
+    hf = found[1]
+    head, embed = hf.get_output_embeddings(), hf.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool) -> dict[str, Any] | None:
+    """The tensor-parallel plan with sequence parallelism of the first Hugging Face model in
+    ``model`` (a Llama-family causal LM, :data:`SEQUENCE_PARALLEL_FAMILIES`), keyed by module names
+    in ``model``, with torch ``ParallelStyle`` objects; None when kiln has none for it
+    (:func:`huggingface_sequence_parallel_refusal` says why).
+
+    What runs where, over the ``tp`` ranks (torchtitan's Llama plan, in transformers' names):
+
+    * ``embed_tokens``: split over the vocabulary (``RowwiseParallel``); its output, summed over
+      the ranks, is reduce-scattered to a slice of the sequence on each rank (``Shard(1)``).
+    * The residual stream between the projections stays a DTensor sharded on the sequence
+      (dimension 1), and so do the norms (``SequenceParallel``): their activations are 1/tp.
+    * ``self_attn`` and ``mlp`` gather the sequence first (``PrepareModuleInput``, an all-gather);
+      q/k/v and gate/up are column-wise, o_proj and down_proj row-wise with their outputs
+      reduce-scattered back to the sequence shards (``Shard(1)``), in place of TP's all-reduce.
+      The rotary ``position_embeddings`` (cos, sin) the base model computes from the position ids
+      are plain tensors of the whole sequence: ``self_attn`` gets them as they are, and applies
+      them to the gathered queries and keys, so they are never sharded.
+    * ``norm`` (the last one) is sequence-sharded; ``lm_head`` gathers the sequence and is split
+      column-wise over the vocabulary: with ``loss_parallel`` its logits stay a DTensor sharded
+      over the vocabulary (``Shard(-1)``, no rank holds the whole ``tokens x vocab``), for
+      :func:`token_mean_cross_entropy`; without, they are gathered whole on every rank.
+
+    With tied input and output embeddings (``tie_word_embeddings``) neither is split (their one
+    weight cannot be row-wise and column-wise at once): the embedding output is cut to the
+    sequence shards and the head gathers the sequence; ``loss_parallel`` is then refused.
+
+    Raises ``ValueError`` when ``loss_parallel`` is asked of tied embeddings.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if huggingface_sequence_parallel_refusal(model) is not None:
+        return None
+    found = _first_huggingface(model)
+    assert found is not None  # the refusal checked
+    name, hf = found
+    base = getattr(hf, "base_model", hf)
+    prefix = ".".join(p for p in (name, _path(hf, base)) if p)
+    head = ".".join(p for p in (name, _path(hf, hf.get_output_embeddings())) if p)
+    tied = tied_embeddings(hf)
+    if loss_parallel and tied:
+        raise ValueError(
+            f"loss_parallel=True needs the LM head split over the vocabulary, but {type(hf).__name__} ties "
+            "it to the input embedding (tie_word_embeddings); set loss_parallel=False (or untie the weights)"
+        )
+    layer = f"{prefix}.layers.*"
+    gather_sequence: dict[str, Any] = {
+        "input_layouts": (Shard(1),),
+        "desired_input_layouts": (Replicate(),),
+        "use_local_output": True,
+    }
+    plan: dict[str, Any] = {
+        f"{prefix}.embed_tokens": (
+            PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False)
+            if tied
+            else RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+        ),
+        f"{layer}.input_layernorm": SequenceParallel(),
+        f"{layer}.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+        f"{layer}.mlp": PrepareModuleInput(**gather_sequence),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"{prefix}.norm": SequenceParallel(),
+        head: (
+            PrepareModuleInput(**gather_sequence)
+            if tied
+            else ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        ),
+    }
+    return plan
+
+
+def token_mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` ``(..., vocab)`` against ``target`` ``(...)``: the mean over the
+    positions whose label is not ``IGNORE_INDEX`` (-100), as ``F.cross_entropy`` computes it.
+
+    ``logits`` sharded over the vocabulary (a DTensor with ``Shard(-1)`` on the tensor-parallel
+    mesh: a loss-parallel LM head) are never gathered: the log-softmax and the picked labels are
+    computed on each rank's shard inside torch's ``loss_parallel()`` (two small all-reduces over
+    the rows: the max and the sum of exponentials; one for the picked logits), forward and
+    backward, and the loss comes back as a plain tensor (every rank of the group holds it). Logits
+    below float32 are computed in float32, as transformers does. A plain tensor is
+    ``F.cross_entropy(..., ignore_index=-100)`` as it is.
+    """
+    if not _is_dtensor(logits):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _LossParallelCrossEntropy.apply(logits, target)
+    return _sharded_cross_entropy(logits, target).to_local()
+
+
+def full_logits(logits: Any) -> Any:
+    """``logits`` whole on every rank: a DTensor sharded over the vocabulary is all-gathered (the
+    one place the full ``tokens x vocab`` is built: metrics and predictions need it), anything
+    else is returned as it is."""
+    return logits.full_tensor() if _is_dtensor(logits) else logits
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _sharded_cross_entropy(logits: Any, target: torch.Tensor) -> Any:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    with loss_parallel():
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class _LossParallelCrossEntropy(torch.autograd.Function):
+    """torch's loss_parallel() must be active in the backward as well as the forward; the backward
+    runs in the Engine (``engine.backward``), which knows nothing of it. This function runs its own
+    small graph, from a detached copy of the logits to the loss, under the context both ways."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Any, target: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            loss = _sharded_cross_entropy(leaf, target)
+        ctx.leaf, ctx.loss = leaf, loss
+        return loss.to_local().detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        loss, leaf = ctx.loss, ctx.leaf
+        grad = DTensor.from_local(grad, loss.device_mesh, loss.placements, run_check=False)
+        with loss_parallel():
+            (grad_logits,) = torch.autograd.grad(loss, leaf, grad)
+        ctx.leaf = ctx.loss = None
+        return grad_logits, None

@@ -37,6 +37,7 @@ from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.state.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.transforms.expert_parallel import check_expert_parallel
 from kiln.parallel.transforms.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
+from kiln.parallel.transforms.sequence_parallel import sequence_parallel_plan
 from kiln.parallel.transforms.tensor_parallel import check_tp_size, matching_modules, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class Hybrid(PipelineSteps):
         cp: context-parallel ranks (each sequence split over them, ring attention; causal LMs with
             dict batches of ``input_ids``/``labels``, on CUDA); not with ``pp`` or ``ep``.
         tp_plan: see :class:`kiln.parallel.TensorParallel`.
+        sequence_parallel / loss_parallel: see :class:`kiln.parallel.TensorParallel`; on by default
+            with ``tp > 1`` for the models kiln has a plan for, off with ``pp > 1`` or ``cp > 1``.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
         wrap / reshard_after_forward / cpu_offload: see :class:`kiln.parallel.FSDP`.
 
@@ -94,7 +97,10 @@ class Hybrid(PipelineSteps):
         wrap: WrapSpec = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
+        sequence_parallel: bool | None = None,
+        loss_parallel: bool | None = None,
     ) -> None:
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp)
         if cp > 1 and (pp > 1 or ep > 1):
             other = f"pp={pp}" if pp > 1 else f"ep={ep}"
@@ -125,7 +131,16 @@ class Hybrid(PipelineSteps):
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # Every user error is raised here, before the mesh exists (no collective has run).
         dims = self.dims.resolve(ctx.world_size)
-        tp_plan = resolve_tp_plan(model, self.tp_plan) if dims.tp > 1 else {}
+        others = ", ".join(f"{n}={getattr(dims, n)}" for n in ("pp", "cp") if getattr(dims, n) > 1) or None
+        sp_plan = sequence_parallel_plan(
+            model,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            plan=self.tp_plan,
+            tp=dims.tp,
+            blocker=others,
+        )
+        tp_plan = resolve_tp_plan(model, sp_plan if sp_plan is not None else self.tp_plan) if dims.tp > 1 else {}
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         check_expert_parallel(model, dims.ep)
         dry_run = ctx.backend == "fake"  # kiln.planning.fake_world: the dry run's stand-in attention
@@ -228,6 +243,8 @@ class Hybrid(PipelineSteps):
             "cp": dims.cp,
             "split_points": self.split_points,
             "schedule": self.schedule,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
         }
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.state.mesh import ParallelDims
 from kiln.parallel.strategy import Strategy
 from kiln.parallel.transforms.parallelize import ParallelizePlan, find_blocks
+from kiln.parallel.transforms.sequence_parallel import sequence_parallel_plan
 from kiln.parallel.transforms.tensor_parallel import check_tp_size, resolve_tp_plan
 
 if TYPE_CHECKING:
@@ -31,22 +32,48 @@ class TensorParallel(Strategy):
             ``"colwise_rep"``/``"rowwise_rep"``, or torch ``ParallelStyle`` objects). ``None``: the
             model's own (:func:`kiln.parallel.transforms.tensor_parallel.model_tp_plan`: a Hugging Face model's ``base_model_tp_plan``, or
             a ``tp_plan`` attribute).
+        sequence_parallel: shard the residual stream and the norms on the sequence dimension over
+            the ranks, all-gathered before the attention and MLP projections and reduce-scattered
+            after them (:mod:`kiln.parallel.transforms.sequence_parallel`). ``None`` (default): on
+            where kiln has a plan for the model (Llama-family Hugging Face causal LMs,
+            :class:`kiln.models.MoELlama`) and no ``plan`` is given; ``True``: required (refused in
+            one line where kiln has no plan); ``False``: off, the plain tensor-parallel plan.
+        loss_parallel: with sequence parallelism, the embedding split over the vocabulary and the
+            logits left sharded over it, the cross-entropy computed on the shards (no rank holds
+            the ``tokens x vocab`` logits). ``None``: on with sequence parallelism where the model
+            allows (not with tied input/output embeddings); ``False``: the logits gathered whole.
 
     Example::
 
         strategy = kiln.parallel.TensorParallel({"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"})
+        strategy = kiln.parallel.TensorParallel(sequence_parallel=False)   # a Llama, plain TP
     """
 
     name = "tp"
     steps = ("placement", "float8", "tensor_parallel", "activation_checkpointing", "compile")
 
-    def __init__(self, plan: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        plan: Mapping[str, Any] | None = None,
+        *,
+        sequence_parallel: bool | None = None,
+        loss_parallel: bool | None = None,
+    ) -> None:
         self.plan = plan
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # TP ranks are one data-parallel replica: they must all read the same batch.
         self.data_parallel_rank, self.data_parallel_size = 0, 1
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
-        plan = resolve_tp_plan(model, self.plan)  # user errors first, before any collective
+        # user errors first, before any collective
+        sp_plan = sequence_parallel_plan(
+            model,
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            plan=self.plan,
+            tp=ctx.world_size,
+        )
+        plan = resolve_tp_plan(model, sp_plan if sp_plan is not None else self.plan)
         check_tp_size(model, plan, ctx.world_size)
         return ParallelizePlan.on_mesh(
             ParallelDims(dp_shard=1, tp=ctx.world_size),
@@ -62,7 +89,17 @@ class TensorParallel(Strategy):
 
     def describe(self) -> dict[str, Any]:
         plan = self.plan if self.plan is not None else "the model's own"
-        return {"name": self.name, "plan": {k: str(v) for k, v in plan.items()} if isinstance(plan, Mapping) else plan}
+        return {
+            "name": self.name,
+            "plan": {k: str(v) for k, v in plan.items()} if isinstance(plan, Mapping) else plan,
+            "sequence_parallel": self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+        }
 
     def __repr__(self) -> str:
-        return f"TensorParallel(plan={self.plan!r})"
+        switches = "".join(
+            f", {name}={value}"
+            for name, value in (("sequence_parallel", self.sequence_parallel), ("loss_parallel", self.loss_parallel))
+            if value is not None
+        )
+        return f"TensorParallel(plan={self.plan!r}{switches})"

@@ -8,6 +8,9 @@ the ranks): a ``colwise`` layer followed by a ``rowwise`` one, as in an MLP or a
 needs one all-reduce in the forward and one in the backward. ``sequence`` shards a norm layer's
 activations along the sequence dimension. Every rank of the tensor-parallel group must be given
 the same batch: the group is one data-parallel replica.
+
+Sequence and loss parallelism (:mod:`kiln.parallel.transforms.sequence_parallel`) choose another
+plan, of torch ``ParallelStyle`` objects, which this file validates and applies like any other.
 """
 
 from __future__ import annotations
@@ -193,7 +196,10 @@ def apply_tp(model: nn.Module, tp_mesh, plan: Mapping[str, Any]) -> nn.Module:
     """Parallelise ``model`` in place over ``tp_mesh`` with a resolved plan."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from kiln.parallel.transforms.sequence_parallel import mark_loss_parallel
+
     parallelize_module(model, tp_mesh, dict(plan))
+    mark_loss_parallel(model, plan)
     return model
 
 
