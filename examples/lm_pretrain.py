@@ -24,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lm_data import stdlib_text  # noqa: E402
 
 
+def schedule() -> kiln.optim.CosineAnnealingWithWarmupScheduler:
+    """Warmup over the first tenth of the run, then cosine to 0 (lm_pretrain.yaml's lr_scheduler)."""
+    return kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -74,19 +79,17 @@ def main() -> dict[str, float]:
         max_duration=f"{args.steps}ba",
         eval_interval=f"{args.steps}ba",
         optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
-        schedulers=kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur"),
+        schedulers=schedule(),
         strategy=strategy,
         compile=args.compile,
         activation_checkpointing=ac,
         clip_grad_norm=1.0,
         callbacks=[kiln.callbacks.SpeedMonitor(window_size=10, peak_flops_per_sec=peak)],
-        loggers=[kiln.loggers.ConsoleLogger(log_interval=max(1, args.steps // 10))],
-        log_interval=f"{max(1, args.steps // 10)}ba",
-        progress_bar=False,
-        seed=0,
+        seed=0,  # progress as kiln train prints it: a line at each tenth of the run (a bar on a terminal)
     )
     trainer.fit()
-    # what the loggers wrote last (rank 0: throughput, MFU), and the evaluation's values
+    # what the Trainer logged last (the loss of the progress line that closed the run; throughput,
+    # MFU) and the evaluation's values
     values = {**trainer.logger.latest, **trainer.state.metrics}
     metrics = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
     if ctx.rank == 0:

@@ -61,6 +61,24 @@ def test_yaml_and_script_choose_the_same_strategy_at_world_size_2(tp, monkeypatc
     assert from_yaml.dims.resolve(2) == from_script.dims.resolve(2) == ParallelDims(dp_shard=2 // tp, tp=tp)
 
 
+def test_yaml_and_script_train_the_same_schedule(monkeypatch):
+    # the run file names kiln's time-aware cosine (which takes no optimizer: the config CLI could
+    # not build one before) with the script's settings
+    import torch
+
+    from kiln.config.args import load_trainer_args
+    from kiln.config.trainer_builder import build_scheduler
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from lm_pretrain import schedule
+
+    args = load_trainer_args(ROOT / "examples" / "lm_pretrain.yaml", world_size=4)
+    from_yaml = build_scheduler(args, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    from_script = schedule()
+    assert type(from_yaml) is type(from_script) and vars(from_yaml) == vars(from_script)
+
+
 def test_dp_shard_selects_the_hybrid_mesh_only_when_set():
     import yaml
 

@@ -107,7 +107,11 @@ def check_components(args: TrainerArgs) -> None:
         )
 
     if args.lr_scheduler is not None:
-        _component(args.lr_scheduler.type, "lr_scheduler", [_FILLED], args.lr_scheduler.args, "lr_scheduler.args")
+        from kiln.optim.schedulers import takes_optimizer
+
+        scheduler = import_type(args.lr_scheduler.type, "lr_scheduler.type")
+        filled = [_FILLED] if takes_optimizer(scheduler) else []
+        _component(args.lr_scheduler.type, "lr_scheduler", filled, args.lr_scheduler.args, "lr_scheduler.args")
     for i, log in enumerate(args.log):
         _component(log.type, f"log.{i}", [], log.args, f"log.{i}.args")
     if isinstance(args.hook, HookConfig):

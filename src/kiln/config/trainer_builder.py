@@ -72,6 +72,19 @@ def _make(type_name: str | None, where: str, /, *positional: Any, **kwargs: Any)
     return import_type(type_name, f"{where}.type")(*positional, **kwargs)
 
 
+def build_scheduler(args: TrainerArgs, optimizer: torch.optim.Optimizer) -> Any:
+    """The run file's ``lr_scheduler`` (None without one): torch's schedulers take the optimizer
+    first; kiln's time-aware ones (``kiln.optim.CosineAnnealingWithWarmupScheduler``, ...) read the
+    Trainer's state and take none."""
+    if args.lr_scheduler is None:
+        return None
+    from kiln.optim.schedulers import takes_optimizer
+
+    factory = import_type(args.lr_scheduler.type, "lr_scheduler.type")
+    first = [optimizer] if takes_optimizer(factory) else []
+    return factory(*first, **build_value(args.lr_scheduler.args, "lr_scheduler.args"))
+
+
 class _Every:
     """True every ``steps`` batches (at ``batch_event``) or ``epochs`` epochs (at ``epoch_event``)."""
 
@@ -292,14 +305,7 @@ def build_trainer(args: TrainerArgs, *, callbacks: Sequence[Any] = ()) -> Any:
     optimizer = _make(
         args.optimizer.type, "optimizer", model.parameters(), **build_value(args.optimizer.args, "optimizer.args")
     )
-    scheduler = None
-    if args.lr_scheduler is not None:
-        scheduler = _make(
-            args.lr_scheduler.type,
-            "lr_scheduler",
-            optimizer,
-            **build_value(args.lr_scheduler.args, "lr_scheduler.args"),
-        )
+    scheduler = build_scheduler(args, optimizer)
     dp = args.data_parallel_size(ctx.world_size)
     dp_rank = ctx.rank // cc.mesh_size
     train_shares = (dp, dp_rank)

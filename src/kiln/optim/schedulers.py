@@ -29,6 +29,7 @@ from kiln.core.time import Time, TimeUnit, _round_down, resolve_fraction
 from kiln.optim.lr_scheduler import ComposerLRScheduler, compile_composer_scheduler, scale_torch_scheduler
 
 __all__ = [
+    "takes_optimizer",
     "ComposerScheduler",
     "ConstantScheduler",
     "StepScheduler",
@@ -142,6 +143,13 @@ class ComposerScheduler:
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
+
+
+def takes_optimizer(factory: Any) -> bool:
+    """Whether a scheduler type named in a run file (``lr_scheduler.type``) is built with the
+    optimizer as its first argument: torch's schedulers are; kiln's time-aware ones
+    (:class:`ComposerScheduler`) read the Trainer's state instead and take none."""
+    return not (isinstance(factory, type) and issubclass(factory, ComposerScheduler))
 
 
 class ConstantScheduler(ComposerScheduler):
