@@ -17,6 +17,7 @@ import errno
 import json
 import re
 import signal
+import time
 import warnings
 
 import pytest
@@ -81,8 +82,6 @@ def test_the_flush_timer_writes_within_flush_secs_without_another_record(tmp_pat
     try:
         file_logger.log_metrics({"a": 1.0}, step=1)
         assert (tmp_path / "m.jsonl").read_text() == ""  # buffered: one record of 100
-        import time
-
         deadline = time.monotonic() + 5
         while (tmp_path / "m.jsonl").read_text() == "" and time.monotonic() < deadline:
             time.sleep(0.05)
