@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -193,20 +194,72 @@ class HuggingFaceModel(Model):
         tokenizer: bool | str = False,
         metrics: Mapping[str, Any] | Sequence[Any] | None = None,
         shift_labels: bool | None = None,
+        meta_init: bool = True,
         **kwargs: Any,
     ) -> HuggingFaceModel:
         """A pretrained model (a folder, e.g. one ``kiln checkpoint export --hf`` wrote, or a hub
         name), with its tokenizer when ``tokenizer`` is True (from the same place) or a folder or
-        hub name to load it from. ``kwargs`` go to the auto class's ``from_pretrained``."""
+        hub name to load it from. ``kwargs`` go to the config (or the auto class's ``from_pretrained``).
+
+        From a local folder of safetensors files (one, or several with
+        ``model.safetensors.index.json``) the model is built on the meta device and its weights are
+        read after the strategy has sharded it, each rank reading only its own shards
+        (:mod:`kiln.models.hf_weights`; the strategy's setup calls :meth:`load_deferred_weights`).
+        The weights equal transformers' ``from_pretrained`` to the bit. Used without a strategy,
+        the first forward reads them onto the CPU. ``meta_init=False`` (or a hub name) loads the
+        whole model now with transformers' ``from_pretrained``.
+        """
         transformers = _transformers()
-        if dtype is not None:
-            kwargs["dtype"] = _dtype(dtype)
-        model = _auto_class(transformers, auto_class).from_pretrained(name_or_path, **kwargs)
+        auto = _auto_class(transformers, auto_class)
+        from kiln.models import hf_weights
+
+        if meta_init and hf_weights.is_local_checkpoint(name_or_path):
+            model = hf_weights.meta_model(auto, Path(name_or_path), None if dtype is None else _dtype(dtype), kwargs)
+        else:
+            if dtype is not None:
+                kwargs["dtype"] = _dtype(dtype)
+            model = auto.from_pretrained(name_or_path, **kwargs)
         tok = None
         if tokenizer:
             source = name_or_path if tokenizer is True else tokenizer
             tok = transformers.AutoTokenizer.from_pretrained(source)
-        return cls(model, tok, metrics=metrics, shift_labels=shift_labels)
+        wrapped = cls(model, tok, metrics=metrics, shift_labels=shift_labels)
+        if meta_init and hf_weights.is_local_checkpoint(name_or_path):
+            wrapped._pretrained = hf_weights.PretrainedWeights(Path(name_or_path))
+            # used without a strategy (no setup to read them after): the first forward reads them
+            wrapped._pretrained_hook = wrapped.register_forward_pre_hook(_load_before_forward)
+        return wrapped
+
+    # -- weights read after the strategy's steps (from_pretrained) -----------------------------
+    _pretrained: Any = None  # kiln.models.hf_weights.PretrainedWeights while the weights are deferred
+    _pretrained_hook: Any = None  # the forward pre-hook that reads them when no strategy did
+
+    @property
+    def deferred_weights(self) -> bool:
+        """Whether the weights are still to be read: built on the meta device by
+        :meth:`from_pretrained`, they are read by :meth:`load_deferred_weights`."""
+        return getattr(self, "_pretrained", None) is not None
+
+    def load_deferred_weights(self, device: torch.device | str | None = None) -> None:
+        """Give the (possibly sharded) meta tensors storage on ``device`` (None: where the
+        buffers are, else the CPU) and read this rank's part of the pretrained weights into them.
+        A strategy's setup calls it once its sharding steps are done
+        (:func:`kiln.parallel.transforms.parallelize.materialize`). Does nothing when nothing is deferred."""
+        from kiln.models.hf_weights import load_pretrained_weights, materialize_meta
+
+        pretrained = getattr(self, "_pretrained", None)
+        if pretrained is None:
+            return
+        if device is None:
+            device = next(
+                (t.device for t in [*self.parameters(), *self.buffers()] if not t.is_meta), torch.device("cpu")
+            )
+        # on the wrapper, not only the transformers model: FSDP2 re-registers its shards in its own
+        # modules' _apply, and the wrapper is FSDP's root
+        materialize_meta(self, device)
+        load_pretrained_weights(self.model, pretrained.folder, device)
+        self._pretrained = None
+        self._pretrained_hook.remove()
 
     # -- kiln.Model ----------------------------------------------------------------------------
     def forward(self, batch: Any) -> Any:  # noqa: D102
@@ -326,6 +379,11 @@ class HuggingFaceModel(Model):
     def set_extra_state(self, state: Any) -> None:
         # The model was built from its own config: a checkpoint's copy of it is for exports only.
         pass
+
+
+def _load_before_forward(module: nn.Module, args: Any) -> None:
+    # a from_pretrained model used without a strategy: read its weights where its buffers are
+    cast(HuggingFaceModel, module).load_deferred_weights()
 
 
 def _parameters(fn: Any) -> set[str]:

@@ -104,6 +104,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "fully_shard_blocks",
+    "materialize",
 ]
 
 STEPS = (
@@ -352,7 +353,11 @@ def parallelize(
     before = dict(model.named_parameters(remove_duplicate=False)) if optimizer is not None else {}
     for step in STEPS:
         if step in strategy.steps and step in only:
+            if step == "data_parallel" and plan.dp_mesh is None:
+                # a wrapper that does not shard (DDP broadcasts rank 0's weights as it wraps): weights first
+                materialize(model, plan)
             model = getattr(strategy, f"apply_{step}")(model, plan)
+    materialize(model, plan)
     if optimizer is not None:
         from kiln.parallel.state.optimizer_params import repoint_optimizer
 
@@ -362,11 +367,38 @@ def parallelize(
     return model
 
 
+def _deferred(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weights are read after the steps (``deferred_weights``, e.g. a
+    ``HuggingFaceModel.from_pretrained``), outside a dry run (whose fake tensors read nothing)."""
+    from torch._guards import detect_fake_mode
+
+    if detect_fake_mode() is not None:
+        return []
+    return [m for m in model.modules() if getattr(m, "deferred_weights", False)]
+
+
+def materialize(model: nn.Module, plan: ParallelizePlan) -> None:
+    """Storage on ``ctx.device`` and weights for a model built on the meta device whose weights are
+    deferred: each such module's ``load_deferred_weights`` (:mod:`kiln.models.hf_weights`), once the
+    steps that shard it (tensor parallel, FSDP) have run, so each rank allocates and reads only its
+    shards. :func:`parallelize` calls it after its steps, or just before a data-parallel wrapper that
+    does not shard (DDP); a pipeline's whole-model steps end with it, before the trace, which needs
+    real weights (each rank holds the whole model until the cut anyway). Nothing deferred: nothing."""
+    for module in _deferred(model):
+        module.load_deferred_weights(plan.ctx.device)  # type: ignore[operator]  # the protocol's method
+
+
 # -- the steps' default bodies (Strategy.apply_<step> calls them) -----------------------------------
 def apply_placement(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
-    """Move to ``ctx.device`` and cast to the precision's storage dtypes."""
+    """Move to ``ctx.device`` and cast to the precision's storage dtypes (tensors on the meta device
+    of a model whose weights are deferred stay there until :func:`materialize`)."""
     # Module.to and the precision cast replace tensor data in place, so the optimizer's
     # references to the Parameter objects stay valid.
+    if _deferred(model):
+        device = plan.ctx.device
+        model._apply(lambda t: t if t.is_meta else t.to(device))
+        plan.precision.setup_module(model)
+        return model
     model.to(plan.ctx.device)
     plan.precision.setup_module(model)
     return model
