@@ -80,7 +80,7 @@ class Trainer:
             ``"selective"`` (every block, keeping the matmul outputs), ``"selective:N"`` (every Nth
             block) or ``fn(module) -> bool``. See :class:`kiln.parallel.ParallelizeOptions`.
         float8: ``True`` or a dict of torchao float8 settings: FP8 matmuls in the eligible Linear
-            layers, on GPUs with FP8 tensor cores (see :mod:`kiln.parallel.float8`).
+            layers, on GPUs with FP8 tensor cores (see :mod:`kiln.parallel.transforms.float8`).
         algorithms, callbacks, loggers: run on the events of :class:`kiln.Event`.
         eval_interval: a Time (``"1ep"``, ``"100ba"``) or int epochs.
         train_subset_num_batches: train on only the first N batches of each epoch (Composer's;
