@@ -36,9 +36,11 @@ __all__ = [
     "NonFiniteLossError",
     "ProfilerCallback",
     "CheckpointSaver",
+    "HFExport",
 ]
 
-_LAZY = {"CheckpointSaver": "kiln.checkpoint"}
+# imported on first use: CheckpointSaver brings the checkpoint machinery, HFExport the Hugging Face wrapper
+_LAZY = {"CheckpointSaver": "kiln.checkpoint", "HFExport": "kiln.callbacks.hf_export"}
 
 
 def __getattr__(name: str) -> Any:

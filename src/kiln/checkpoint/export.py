@@ -1,4 +1,5 @@
-"""A checkpoint's model as a Hugging Face folder: ``config.json`` + ``model.safetensors``.
+"""A checkpoint's model as a Hugging Face folder: ``config.json`` + safetensors files (one
+``model.safetensors``, or several and ``model.safetensors.index.json``).
 
 ``transformers.AutoModelFor...from_pretrained(OUT)`` loads what :func:`export_hf` writes, with the
 weights the checkpoint holds. It reads any save type (sharded, deduped, merged folder or file) from
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,12 @@ from typing import Any
 import torch
 
 from kiln.checkpoint import layout
+from kiln.checkpoint.checkpointing import verify_checkpoint
 from kiln.checkpoint.errors import CheckpointError
-from kiln.checkpoint.offline import load_full, safetensors_weights, save_safetensors_file
+from kiln.checkpoint.hf_export import dcp_model_entries, dcp_sources, read_dcp_key
+from kiln.checkpoint.offline import _checkpoint, load_full, safetensors_weights
 from kiln.checkpoint.storage import RemotePath, as_path
+from kiln.models.hf_folder import DEFAULT_MAX_SHARD_SIZE, TensorSource, parse_size, write_hf_folder
 from kiln.precision import DTYPES
 
 __all__ = ["export_hf", "MissingConfigError", "CONFIG_FILE", "WEIGHTS_FILE"]
@@ -47,8 +50,15 @@ def export_hf(
     dtype: str | torch.dtype | None = None,
     tokenizer: Any = None,
     storage_options: Mapping[str, Any] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Any:
     """Write the model of checkpoint ``path`` as a Hugging Face folder ``out`` (which must not exist).
+
+    A sharded checkpoint on the local disk is streamed: each tensor is read alone from the DCP
+    shards and written into its safetensors file (:mod:`kiln.checkpoint.hf_export`), so the export
+    holds one tensor at a time, not the model. The files are at most ``max_shard_size`` each
+    (transformers' sizes: ``"5GB"``, ``"500MB"``, ``"20KB"``), with ``model.safetensors.index.json``
+    when there are several; one file is ``model.safetensors``.
 
     On the local disk the folder is written under a temporary name and renamed when complete; on
     an object store (``out`` an fsspec URL) its files are uploaded with ``config.json`` last, which
@@ -63,6 +73,7 @@ def export_hf(
             None keeps the checkpoint's.
         tokenizer: a tokenizer to save beside the model (its ``save_pretrained(out)``).
         storage_options: for URLs (``path`` and ``out``), the fsspec filesystem's options.
+        max_shard_size: the largest file (an object store gets one ``model.safetensors``).
 
     Raises:
         CheckpointError: the checkpoint is unreadable, ``out`` exists, or the folder cannot be
@@ -78,7 +89,13 @@ def export_hf(
     if target.exists() or target.is_symlink():
         raise CheckpointError(target, "already exists", "choose a new folder for the export, or remove it first")
     cast = _dtype(dtype)
-    _, tensors, _ = load_full(as_path(path, storage_options), model_only=True)
+    source = _checkpoint(as_path(path, storage_options))
+    if isinstance(target, Path) and isinstance(source, Path) and source.is_dir():
+        manifest = verify_checkpoint(source)
+        if manifest["save_type"] != "merged":  # DCP shards: streamed, one tensor at a time
+            return _export_streaming(source, target, config, cast, tokenizer, max_shard_size)
+    parse_size(max_shard_size)  # refused before the checkpoint is read
+    _, tensors, _ = load_full(source, model_only=True)
     state = tensors["model"] or {}
     saved_prefix, saved = _saved_config(state)
     if config is not None:
@@ -102,8 +119,66 @@ def export_hf(
     floating = [v.dtype for v in weights.values() if v.is_floating_point()]
     if floating:  # what from_pretrained(dtype="auto") builds the model in
         config_dict["dtype"] = str(floating[0]).replace("torch.", "")
-    _write(target, config_dict, weights, tokenizer)
+    if isinstance(target, RemotePath):
+        _upload(target, config_dict, weights, tokenizer)
+        return target
+    sources = [TensorSource(k, tuple(v.shape), v.dtype, _constant(v)) for k, v in weights.items()]
+    _write_folder(target, config_dict, sources, tokenizer, max_shard_size)
     return target
+
+
+def _constant(value: torch.Tensor) -> Any:
+    return lambda: value
+
+
+def _export_streaming(
+    path: Path, target: Path, config: Any, cast: torch.dtype | None, tokenizer: Any, max_shard_size: int | str
+) -> Path:
+    """A sharded checkpoint's model into ``target`` without gathering it (:mod:`kiln.checkpoint.hf_export`)."""
+    parse_size(max_shard_size)
+    entries = dcp_model_entries(path)
+    extra = [
+        k for k in entries if k.endswith(_EXTRA_STATE) and not isinstance(getattr(entries[k], "size", None), torch.Size)
+    ]
+    saved_prefix, saved = _saved_config({k: read_dcp_key(path, "model." + k) for k in extra})
+    if config is not None:
+        config_dict = dict(_config_dict(config))
+    elif saved is not None:
+        config_dict = dict(saved["config"])
+    else:
+        raise MissingConfigError(
+            path,
+            "holds no Hugging Face config (it was not saved from a kiln.models.HuggingFaceModel, or was "
+            "saved by a pipeline, whose stages keep no config)",
+            "pass the model's config: --config DIR (the folder with its config.json) or export_hf(..., config=...)",
+        )
+    names = {k: None for k, v in entries.items() if hasattr(v, "size") and k not in extra}
+    prefix = _weights_prefix({k: torch.empty(0) for k in names}, saved_prefix)
+    sources = dcp_sources(path, prefix, cast)
+    if not sources:
+        raise CheckpointError(path, "holds no model weights", "export a checkpoint a Trainer or Engine saved")
+    if saved is not None and not config_dict.get("architectures"):
+        config_dict["architectures"] = [saved["class"]]
+    _write_folder(target, config_dict, sources, tokenizer, max_shard_size)
+    return target
+
+
+def _write_folder(
+    target: Path, config: dict[str, Any], sources: list[TensorSource], tokenizer: Any, max_shard_size: int | str
+) -> None:
+    try:
+        write_hf_folder(
+            target,
+            config,
+            sources,
+            max_shard_size=max_shard_size,
+            tokenizer=tokenizer,
+            temporary_name=layout.temporary_name,
+        )
+    except OSError as exc:
+        raise CheckpointError(
+            target, f"could not be written ({type(exc).__name__}: {exc})", "check free space and permissions there"
+        ) from None
 
 
 def _saved_config(state: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
@@ -158,30 +233,6 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if not isinstance(value, torch.dtype):
         raise ValueError(f"dtype={dtype!r} is not known; expected one of {', '.join(DTYPES)} or a torch dtype name")
     return value
-
-
-def _write(out: Any, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:
-    if isinstance(out, RemotePath):
-        _upload(out, config, weights, tokenizer)
-        return
-    tmp = out.with_name(layout.temporary_name(out.name))
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        # transformers refuses a safetensors file without format "pt" in its metadata
-        save_safetensors_file(weights, tmp / WEIGHTS_FILE, {"format": "pt"})
-        layout.write_durably(tmp / CONFIG_FILE, _config_bytes(config))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        os.rename(tmp, out)
-        layout.fsync_dir(out.parent)
-    except BaseException as exc:  # nothing half written stays behind, whatever stopped it
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise CheckpointError(
-                out, f"could not be written ({type(exc).__name__}: {exc})", "check free space and permissions there"
-            ) from None
-        raise
 
 
 def _upload(out: RemotePath, config: dict[str, Any], weights: dict[str, torch.Tensor], tokenizer: Any) -> None:

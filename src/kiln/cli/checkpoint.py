@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "export",
         help="write the model weights to a safetensors file, or a Hugging Face folder",
         description="--safetensors OUT: the model weights as one .safetensors file. --hf OUT: a new folder "
-        "(config.json + model.safetensors) that transformers' AutoModelFor...from_pretrained(OUT) loads, "
+        "(config.json + safetensors files of at most --max-shard-size, with an index when several) that "
+        "transformers' AutoModelFor...from_pretrained(OUT) loads, "
         "from a checkpoint of a kiln.models.HuggingFaceModel of any save type and world size.",
     )
     export.add_argument("path")
@@ -71,6 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --hf: the model's config.json (or its folder), for a checkpoint that holds none",
     )
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast floating-point weights")
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="with --hf: the largest safetensors file, as transformers' save_pretrained (default 5GB; e.g. "
+        "500MB, 20KB); several files get model.safetensors.index.json. A sharded checkpoint is streamed "
+        "one tensor at a time",
+    )
     export.set_defaults(func=_export)
 
 
@@ -184,7 +193,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from kiln.checkpoint.export import export_hf
 
     try:
-        out = export_hf(args.path, args.hf, config=args.config, dtype=args.dtype)
+        out = export_hf(args.path, args.hf, config=args.config, dtype=args.dtype, max_shard_size=args.max_shard_size)
     except (ValueError, TypeError) as exc:  # an input it cannot export
         raise _UsageError(str(exc)) from None
     print(f"exported {args.path} -> {out} (transformers: AutoModelFor...from_pretrained({str(out)!r}))")
