@@ -290,3 +290,34 @@ def test_moe_llama_trains_under_the_trainer_and_logs_router_stats():
         assert m["moe/imbalance"] == max(
             m["moe/imbalance/layers.0.feed_forward"], m["moe/imbalance/layers.1.feed_forward"]
         )
+
+
+def _moe_run(**options):
+    torch.manual_seed(0)
+    model = kiln.models.MoELlama(
+        vocab_size=32, dim=32, num_layers=2, num_heads=4, max_seq_len=16, num_experts=4, top_k=2
+    )
+    capture = _Capture()
+    trainer = kiln.Trainer(
+        model,
+        train_dataloader=torch.utils.data.DataLoader(_Patterns(), batch_size=8),
+        max_duration="4ba",
+        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        loggers=[capture],
+        progress_bar=False,
+        seed=0,
+        **options,
+    )
+    trainer.fit()
+    monitors = [c for c in trainer.state.callbacks if isinstance(c, kiln.callbacks.MoEMonitor)]
+    return [step for step, m in capture.rows if "moe/imbalance" in m], monitors
+
+
+def test_a_model_with_moe_layers_gets_the_router_statistics_by_default():
+    # every log_interval (2 batches here), with no callback given: the run file's MoE runs log them too
+    steps, monitors = _moe_run(log_interval="2ba")
+    assert steps == [2, 4] and [m.interval for m in monitors] == [2]
+    # one the user gave is the only one; moe_monitor=False turns the default off
+    steps, monitors = _moe_run(callbacks=[kiln.callbacks.MoEMonitor(interval=4)])
+    assert steps == [4] and [m.interval for m in monitors] == [4]
+    assert _moe_run(moe_monitor=False) == ([], [])

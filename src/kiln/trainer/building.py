@@ -82,6 +82,22 @@ def build_engine(
     return engine
 
 
+def default_callbacks(model: nn.Module, callbacks: list[Any], moe_monitor: bool, log_every: int) -> list[Any]:
+    """The user's callbacks, and those a run gets by default: a :class:`kiln.callbacks.MoEMonitor`
+    (every ``log_every`` batches, with the train metrics) for a model with :class:`kiln.models.MoE`
+    layers, unless the callbacks hold one already or ``moe_monitor`` is False. The monitor logs the
+    router statistics and runs the bias balancing of ``load_balance="bias"`` layers, which a run
+    without it would silently skip."""
+    from kiln.callbacks.moe_monitor import MoEMonitor
+    from kiln.models.moe import moe_layers
+
+    if not moe_monitor or any(isinstance(c, MoEMonitor) for c in callbacks):
+        return callbacks
+    if next(moe_layers(model), None) is None:
+        return callbacks
+    return [*callbacks, MoEMonitor(interval=log_every)]
+
+
 def _auto_with_example(
     strategy: Any, model: nn.Module, loader: Any, microbatching: MicrobatchOptions | None, ctx: Context
 ) -> Any:

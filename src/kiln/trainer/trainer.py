@@ -32,7 +32,14 @@ from kiln.launch.loader import ResumableLoader
 from kiln.launch.streaming import resumable_train_loader
 from kiln.loggers.logger import Logger
 from kiln.precision import Precision
-from kiln.trainer.building import build_engine, check_algorithms, check_schedulers, split_schedulers, targets_loss
+from kiln.trainer.building import (
+    build_engine,
+    check_algorithms,
+    check_schedulers,
+    default_callbacks,
+    split_schedulers,
+    targets_loss,
+)
 from kiln.trainer.evaluation import evaluate_due, evaluate_sets, predict
 from kiln.trainer.evaluator import Evaluator, as_evaluators, evaluates_on
 from kiln.trainer.events import EventRunner
@@ -102,6 +109,9 @@ class Trainer:
             :class:`kiln.trainer.FaultTolerance` (Lighthouse address, this group's index, ...); steps
             commit only when the quorum of live groups agrees, and a restarted group takes the state
             of a live one. ``trainer.fault_tolerance`` is then the :class:`~kiln.trainer.fault_tolerance.ReplicaGroup`.
+        moe_monitor: a model with :class:`kiln.models.MoE` layers gets a
+            :class:`kiln.callbacks.MoEMonitor` every ``log_interval`` (router statistics, and the
+            bias balancing of ``load_balance="bias"`` layers) unless ``callbacks`` hold one; False: none.
 
     Example::
 
@@ -158,6 +168,7 @@ class Trainer:
         train_subset_num_batches: int | None = None,
         stateful_dataloader: bool | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        moe_monitor: bool = True,
         fault_tolerance: FaultTolerance | Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(model, Engine) and engine is None:  # Colossal-AI's Trainer(engine)
@@ -244,7 +255,12 @@ class Trainer:
             device=engine.device,
             seed=seed,
             algorithms=[algorithms] if isinstance(algorithms, Algorithm) else list(algorithms),
-            callbacks=[callbacks] if isinstance(callbacks, Callback) else list(callbacks),
+            callbacks=default_callbacks(
+                engine.model,
+                [callbacks] if isinstance(callbacks, Callback) else list(callbacks),
+                moe_monitor,
+                opts.logging.log_every,
+            ),
             run_name=run_name or "kiln",
         )
         state.engine = engine
