@@ -90,7 +90,7 @@ def main() -> dict[str, float]:
     trainer.fit()
     # what the Trainer logged last (the loss of the progress line that closed the run; throughput,
     # MFU) and the evaluation's values
-    values = {**trainer.logger.latest, **trainer.state.metrics}
+    values = {**trainer.state.metrics, **trainer.logger.latest}
     metrics = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
     if ctx.rank == 0:
         wanted = ("train/loss", "eval/loss", "eval/LanguagePerplexity", "throughput/tokens_per_sec", "throughput/mfu")

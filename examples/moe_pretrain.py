@@ -94,13 +94,15 @@ def main() -> dict[str, float]:
         activation_checkpointing=ac,
         clip_grad_norm=1.0,
         callbacks=[first, kiln.callbacks.MoEMonitor(interval=every), kiln.callbacks.SpeedMonitor(window_size=10)],
+        # kiln train's progress lines (as moe_pretrain.yaml prints them), and every logged metric
+        # (the router statistics above all) on its interval
         loggers=[kiln.loggers.ConsoleLogger(log_interval=every)],
         log_interval=f"{every}ba",
-        progress_bar=False,
         seed=0,
     )
     trainer.fit()
-    values = {**trainer.logger.latest, **trainer.state.metrics}
+    # the last logged value of each metric (the train/loss of the closing progress line), then the evaluation's
+    values = {**trainer.state.metrics, **trainer.logger.latest}
     metrics = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
     metrics["first/loss"] = first.loss
     if ctx.rank == 0:
