@@ -57,8 +57,9 @@ def config(compute: dict, *, heads: int = 8, kv_heads: int = 8, layers: int = LA
     }
 
 
-def closed_form(tp: int, dp: int) -> tuple[int, int]:
-    """(parameter bytes of rank 0, parameter tensors): fp32, split by the plan, then FSDP's padded chunk."""
+def closed_form(tp: int, dp: int, split_vocab: bool = False) -> tuple[int, int]:
+    """(parameter bytes of rank 0, parameter tensors): fp32, split by the plan, then FSDP's padded chunk.
+    ``split_vocab``: the embedding and the LM head split over the vocabulary too (loss parallelism)."""
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -76,6 +77,8 @@ def closed_form(tp: int, dp: int) -> tuple[int, int]:
             shape[0] //= tp
         elif name.split(".")[-2] in ROWWISE:
             shape[1] //= tp
+        elif split_vocab and name.split(".")[-2] in ("embed_tokens", "lm_head"):
+            shape[0] //= tp  # the vocabulary rows
         total += math.ceil(shape[0] / dp) * math.prod(shape[1:]) * 4
         count += 1
     return total, count
@@ -83,7 +86,11 @@ def closed_form(tp: int, dp: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize(
     "world, compute, tp",
-    [(8, {"strategy": "fsdp"}, 1), (64, {"tp": 8, "dp_shard": -1}, 8), (512, {"tp": 8, "dp_shard": -1}, 8)],
+    [
+        (8, {"strategy": "fsdp"}, 1),
+        (64, {"tp": 8, "dp_shard": -1, "sequence_parallel": False}, 8),
+        (512, {"tp": 8, "dp_shard": -1, "sequence_parallel": False}, 8),
+    ],
     ids=["fsdp8", "fsdp8xtp8", "fsdp64xtp8"],
 )
 def test_what_a_rank_holds_and_moves_is_the_closed_form(world, compute, tp):
@@ -110,6 +117,33 @@ def test_what_a_rank_holds_and_moves_is_the_closed_form(world, compute, tp):
     assert 0 < rank.activations < rank.peak and rank.peak >= rank.params + rank.optimizer + rank.activations
     # the sharded checkpoint's tensors: the parameters' shards, AdamW's moments and step counts
     assert rank.checkpoint_bytes == 3 * params + 4 * tensors
+
+
+@pytest.mark.parametrize("world", [64, 512], ids=["fsdp8xtp8", "fsdp64xtp8"])
+def test_sequence_and_loss_parallel_hold_and_move_the_closed_form(world):
+    # the default with tp > 1 for a Llama: the residual stream sharded on the sequence, the embedding
+    # and the LM head on the vocabulary (issue 32)
+    report = dry_run(load_trainer_args(config({"tp": 8, "dp_shard": -1}), world_size=world), world)
+    dp = world // 8
+    params, tensors = closed_form(8, dp, split_vocab=True)
+    (rank,) = report.ranks
+    assert rank.params == rank.grads == params and rank.optimizer == 2 * params + 4 * tensors
+    assert params < closed_form(8, dp)[0]  # the embedding and the head no longer whole on each rank
+    # each tensor-parallel collective moves one bf16 microbatch of the whole sequence: gathered before
+    # the attention and the MLP (twice with checkpointing), before the head, and in the backward of
+    # each reduce-scatter; reduce-scattered after o_proj and down_proj (twice), after the embedding,
+    # and in the backward of each gather. The loss's all-reduces over the vocabulary shards are per
+    # token (max, sum of exponentials, the target's logit, ...), never tokens x vocab.
+    whole = MICRO * SEQ * HIDDEN * 2
+    assert rank.calls["all_gather"]["tp"] == 14 and rank.calls["reduce_scatter"]["tp"] == 12
+    assert rank.collectives["all_gather"]["tp"] == 14 * whole
+    assert rank.collectives["reduce_scatter"]["tp"] == 12 * whole
+    assert rank.collectives["all_reduce"]["tp"] == rank.calls["all_reduce"]["tp"] * MICRO * SEQ * 2
+    # no more bytes on the wire than the all-reduces of tensor parallelism without it (a ring
+    # all-reduce moves its bytes twice, a gather or a reduce-scatter once): 8 per layer of `whole`
+    moved = rank.collectives["all_gather"]["tp"] + rank.collectives["reduce_scatter"]["tp"]
+    moved += 2 * rank.collectives["all_reduce"]["tp"]
+    assert moved <= 2 * 8 * LAYERS * whole
 
 
 def test_a_pipeline_reports_each_stage_and_its_sends():
@@ -197,7 +231,7 @@ def test_kiln_plan_dry_run_prints_the_report_as_json(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "-f", str(path), "--world-size", "128", "--dry-run", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    params, _ = closed_form(8, 16)
+    params, _ = closed_form(8, 16, split_vocab=True)  # tp 8 of a Llama: sequence and loss parallel
     assert out["world_size"] == 128 and out["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 16, "tp": 8}
     assert out["ranks"][0]["params"] == params
     assert set(out) == {
@@ -233,7 +267,7 @@ def test_kiln_train_dry_run_runs_the_world_the_run_file_is_for(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert main(["train", "-f", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    params, _ = closed_form(8, 8)
+    params, _ = closed_form(8, 8, split_vocab=True)
     assert out.startswith("dry run: ") and " on 64 ranks (dp_shard 8 x tp 8);" in out.splitlines()[0]
     assert out.splitlines()[2].split()[:3] == ["0", "dp_shard=0,tp=0", f"{params / 1024:.2f}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # no checkpoint folder, no log

@@ -255,10 +255,10 @@ class MoELlama(Model):
         plan: dict[str, Any] = {
             "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
             "layers.*.attention_norm": SequenceParallel(),
-            "layers.*.attention": PrepareModuleInput(
+            "layers.*.attention": PrepareModuleInput(  # a DTensor into wq/wk/wv: one reduce-scatter back
                 input_layouts=(Shard(1), None, None),
                 desired_input_layouts=(Replicate(), None, None),
-                use_local_output=True,
+                use_local_output=False,
             ),
             "layers.*.attention.wq": ColwiseParallel(),
             "layers.*.attention.wk": ColwiseParallel(),
@@ -270,7 +270,7 @@ class MoELlama(Model):
             ffn = f"layers.{i}.feed_forward"
             if i < self.config.num_dense_layers:
                 plan[ffn] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
                 )
                 plan.update(
                     {f"{ffn}.w1": ColwiseParallel(), f"{ffn}.w3": ColwiseParallel(), f"{ffn}.w2": reduce_scatter()}

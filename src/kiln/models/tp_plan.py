@@ -185,10 +185,14 @@ def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool)
             "it to the input embedding (tie_word_embeddings); set loss_parallel=False (or untie the weights)"
         )
     layer = f"{prefix}.layers.*"
+    # The gathered sequence stays a DTensor into the column-wise projections (use_local_output=False),
+    # as in torchtitan's plan: the projections' input gradients then add up as one Partial DTensor
+    # that the gather's backward reduce-scatters once, where local tensors would make each projection
+    # all-reduce its own (q, k, v, gate, up: five all-reduces of the whole sequence per layer).
     gather_sequence: dict[str, Any] = {
         "input_layouts": (Shard(1),),
         "desired_input_layouts": (Replicate(),),
-        "use_local_output": True,
+        "use_local_output": False,
     }
     plan: dict[str, Any] = {
         f"{prefix}.embed_tokens": (
@@ -200,7 +204,7 @@ def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool)
         f"{layer}.self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
+            use_local_output=False,
         ),
         f"{layer}.self_attn.q_proj": ColwiseParallel(),
         f"{layer}.self_attn.k_proj": ColwiseParallel(),
@@ -213,7 +217,7 @@ def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool)
         f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         f"{prefix}.norm": SequenceParallel(),
         head: (
-            PrepareModuleInput(**gather_sequence)
+            PrepareModuleInput(**{**gather_sequence, "use_local_output": True})  # a plain Linear takes it
             if tied
             else ColwiseParallel(
                 input_layouts=Shard(1),
