@@ -20,7 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Read each RUN's logs (the File logger's *.jsonl files under it, else TensorBoard "
         "event files) and write report.html (self-contained) and one PNG per figure: loss, learning "
         "rate, throughput and MFU, memory and evaluation metrics, with checkpoints and resumes marked. "
-        "Several runs are overlaid on the same axes.",
+        "Several runs are overlaid on the same axes. A run's goodput account (goodput.json under RUN) "
+        "is printed as a table (seconds per segment, one row per launch) and drawn as goodput.png.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (or a .jsonl / event file)")
     p.add_argument(
@@ -53,5 +54,14 @@ def _report(args: argparse.Namespace) -> int:
         else:
             print(f"kiln report: {exc}", file=sys.stderr)
         return 2
+    from kiln.report.goodput import find_account, format_table, read_account
+
+    for run in args.runs:  # each run's goodput account, as a table (seconds)
+        account = find_account(run)
+        launches = read_account(account) if account is not None else []
+        if launches:
+            if len(args.runs) > 1:
+                print(f"{run}:")
+            print(format_table(launches))
     print(page)
     return 0

@@ -54,10 +54,41 @@ def write_report(
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     panels, unplotted = panels_for(loaded)
+    unplotted = [key for key in unplotted if not key.startswith("goodput/")]  # the goodput section shows them
     figures = draw_panels(loaded, panels, folder)
     page = folder / "report.html"
-    page.write_text(render_html(loaded, figures, unplotted, __version__), encoding="utf-8")
+    goodput = _goodput_section(loaded, folder)
+    page.write_text(render_html(loaded, figures, unplotted, __version__, goodput), encoding="utf-8")
     return page
+
+
+def _goodput_section(runs: list[Run], folder: Path) -> str:
+    """Each run's goodput account (kiln.report.goodput): a table and a figure, one bar per launch."""
+    import base64
+    import html
+
+    from kiln.report.goodput import draw_account, find_account, read_account, table_rows
+
+    parts = []
+    for i, run in enumerate(runs):
+        path = find_account(run.path)
+        launches = read_account(path) if path is not None else []
+        if not launches:
+            continue
+        header, rows = table_rows(launches)
+        png = folder / ("goodput.png" if len(runs) == 1 else f"goodput-{i + 1}.png")
+        draw_account(launches, png, run.name)
+        cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        body = "".join(
+            "<tr>" + "".join(f'<td class="num">{html.escape(c)}</td>' for c in row) + "</tr>" for row in rows
+        )
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        parts.append(
+            f"<h3>{html.escape(run.name)} ({html.escape(str(path))}), seconds</h3><table><tr>{cells}</tr>{body}</table>"
+            f'<figure id="goodput-{i + 1}"><img alt="goodput" src="data:image/png;base64,{data}">'
+            f"<figcaption>one bar per launch ({html.escape(png.name)})</figcaption></figure>"
+        )
+    return "".join(parts)
 
 
 def _unique_names(runs: list[Run], names: Sequence[str] | None) -> None:

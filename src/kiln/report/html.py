@@ -34,8 +34,11 @@ figcaption { font-size: 12px; color: #555; padding: 4px 6px 0; }
 """
 
 
-def render_html(runs: Sequence[Run], figures: Sequence[Figure], unplotted: Sequence[str], version: str) -> str:
-    """The page for ``runs``: a summary table, the figures, and the metrics no figure shows."""
+def render_html(
+    runs: Sequence[Run], figures: Sequence[Figure], unplotted: Sequence[str], version: str, goodput: str = ""
+) -> str:
+    """The page for ``runs``: a summary table, the goodput accounts (``goodput``: their HTML, if
+    any), the figures, and the metrics no figure shows."""
     names = ", ".join(run.name for run in runs)
     title = f"kiln report: {names}" if len(runs) == 1 else f"kiln report: {names} (overlay)"
     made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -49,6 +52,7 @@ def render_html(runs: Sequence[Run], figures: Sequence[Figure], unplotted: Seque
         "<main>",
         "<h2>Runs</h2>",
         _summary(runs),
+        *(["<h2>Goodput</h2>", goodput] if goodput else []),
         "<h2>Curves</h2>",
         '<div class="grid">',
     ]

@@ -19,6 +19,7 @@ from torch import nn
 from kiln.core.event import Event
 from kiln.core.time import Time, TimeUnit
 from kiln.parallel.transforms.parallelize import ParallelizeOptions
+from kiln.trainer.goodput import GoodputMonitor
 from kiln.trainer.progress import parse_console_interval
 
 __all__ = [
@@ -211,6 +212,10 @@ class LogOptions:
     console_interval: Time | str | float | None = "30s"
     """The most time between two progress lines when stdout is not a terminal (``"30s"``,
     ``"5m"``, ``"100ba"``; a line also comes at each tenth of the run); ``None``: no lines."""
+    goodput: Any = True
+    """Keep the run's goodput account (:class:`kiln.trainer.goodput.GoodputMonitor`): ``True``
+    (the default), ``False`` (none), or a ``GoodputMonitor`` with its own settings. Made the
+    monitor (or ``None``) here."""
     log_every: int = field(default=1, init=False)
     """``log_interval`` in batches."""
 
@@ -222,6 +227,15 @@ class LogOptions:
             raise ValueError(f"log_interval={self.log_interval!r} must be a positive number of batches, e.g. '10ba'")
         self.log_every = int(log.value)
         self.console_interval = parse_console_interval(self.console_interval)
+        if self.goodput is True:
+            self.goodput = GoodputMonitor()
+        elif self.goodput is False or self.goodput is None:
+            self.goodput = None
+        elif not isinstance(self.goodput, GoodputMonitor):
+            raise ValueError(
+                f"goodput={self.goodput!r} must be True (the default account), False (none) or a "
+                "kiln.trainer.goodput.GoodputMonitor"
+            )
 
 
 @dataclass

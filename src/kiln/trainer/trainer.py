@@ -44,6 +44,7 @@ from kiln.trainer.evaluation import evaluate_due, evaluate_sets, predict
 from kiln.trainer.evaluator import Evaluator, as_evaluators, evaluates_on
 from kiln.trainer.events import EventRunner
 from kiln.trainer.fault_tolerance import FaultTolerance, ReplicaGroup, as_fault_tolerance
+from kiln.trainer.goodput import GoodputMonitor
 from kiln.trainer.options import (
     CheckpointOptions,
     DataOptions,
@@ -109,6 +110,9 @@ class Trainer:
             :class:`kiln.trainer.FaultTolerance` (Lighthouse address, this group's index, ...); steps
             commit only when the quorum of live groups agrees, and a restarted group takes the state
             of a live one. ``trainer.fault_tolerance`` is then the :class:`~kiln.trainer.fault_tolerance.ReplicaGroup`.
+        goodput: keep the run's goodput account (``True``, the default; ``False``: none; or a
+            :class:`kiln.trainer.goodput.GoodputMonitor`): wall time by segment across launches,
+            logged as ``goodput/*`` and written to ``goodput.json`` in the save folder (docs/report.md).
         moe_monitor: a model with :class:`kiln.models.MoE` layers gets a
             :class:`kiln.callbacks.MoEMonitor` every ``log_interval`` (router statistics, and the
             bias balancing of ``load_balance="bias"`` layers) unless ``callbacks`` hold one; False: none.
@@ -170,6 +174,7 @@ class Trainer:
         storage_options: Mapping[str, Any] | None = None,
         moe_monitor: bool = True,
         fault_tolerance: FaultTolerance | Mapping[str, Any] | None = None,
+        goodput: bool | GoodputMonitor = True,
     ) -> None:
         if isinstance(model, Engine) and engine is None:  # Colossal-AI's Trainer(engine)
             model, engine = None, model
@@ -183,7 +188,7 @@ class Trainer:
             ),
             microbatching=MicrobatchOptions(grad_accum, device_train_microbatch_size),
             evaluation=EvalOptions(eval_interval, eval_subset_num_batches),  # type: ignore[arg-type]  # made a Time
-            logging=LogOptions(loggers, log_interval, progress_bar, console_interval),
+            logging=LogOptions(loggers, log_interval, progress_bar, console_interval, goodput),
             levers=LeverOptions(compile, activation_checkpointing, float8),
             data=DataOptions(stateful_dataloader),
             checkpointing=CheckpointOptions(
@@ -306,7 +311,13 @@ class Trainer:
                 save_async=save_async,
                 storage_options=storage_options,
             )
+            if opts.logging.goodput is not None:  # times the saves: registered just before the saver
+                self.events.add(opts.logging.goodput.save_timer)
             self.events.add(self._saver)
+        self.goodput = opts.logging.goodput
+        if self.goodput is not None:  # after the saver: it charges the saver's time as checkpoint stall
+            self.goodput.attach(self._saver, self.logger.destinations)
+            self.events.add(self.goodput)
 
         self.events.run(Event.INIT)
         self._load(load_path, autoresume, save_folder)
