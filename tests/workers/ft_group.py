@@ -78,7 +78,7 @@ class Drill(kiln.Callback):
                 "t": t,
                 "n": n,
                 "committed": committed,
-                "loss": float(state.loss),
+                "loss": float(state.loss.detach()),
                 "x": inputs.tolist(),
                 "y": targets.tolist(),
                 "time": time.time(),

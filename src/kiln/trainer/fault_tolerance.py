@@ -22,8 +22,14 @@ Checkpoints are written by one group (``save_group``); any group resumes from th
 
 What torchft leaves to the caller and kiln chooses here: the quorum is synchronous
 (``use_async_quorum=False``) so that a healed group never trains a step on stale weights, and the
-cross-group process group is torchft's ``ProcessGroupGloo`` (CPU tensors; the reconfiguration on a
-new quorum is torchft's).
+cross-group process group follows the device the group trains on (:func:`process_group_class`):
+torchft's ``ProcessGroupNCCL`` for CUDA, so the gradients go GPU to GPU (an 8B model's are 32 GB a
+step: staged through host memory over gloo they would cost more than the step), and
+``ProcessGroupGloo`` for CPU tensors. The reconfiguration on a new quorum is torchft's.
+
+When the groups of the quorum change, group rank 0 of each group prints one line
+(``kiln: replica group 1 left the quorum at step 5; continuing with 1 of 2 groups``, ``... rejoined
+...``); torchft's own messages about it go to kiln's DEBUG log (:mod:`kiln.trainer.ft_quiet`).
 """
 
 from __future__ import annotations
@@ -40,12 +46,14 @@ import torch
 
 from kiln.core.callback import Callback
 from kiln.core.names import did_you_mean
+from kiln.launch.failures import print_line
+from kiln.trainer.ft_quiet import membership_lines, quiet_checkpoint_server, quiet_torchft
 
 if TYPE_CHECKING:
     from kiln.core.state import State
     from kiln.engine import Engine
 
-__all__ = ["FaultTolerance", "ReplicaGroup", "as_fault_tolerance"]
+__all__ = ["FaultTolerance", "ReplicaGroup", "as_fault_tolerance", "process_group_class"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +172,8 @@ class ReplicaGroup(Callback):
         # which bury kiln's progress lines in a log file: warnings only, unless RUST_LOG says otherwise.
         os.environ.setdefault("RUST_LOG", "warn")
         try:
-            from torchft import Manager, ProcessGroupGloo
+            from torchft import Manager
+            from torchft.checkpointing.http_transport import HTTPTransport
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(
                 f"fault_tolerance= needs torchft ({exc}); install it with: pip install 'kiln-train[ft]'"
@@ -177,6 +186,9 @@ class ReplicaGroup(Callback):
         self.num_participants = 0
         self.quorum_seconds = 0.0
         self._open = False  # a quorum is started and its step not yet committed
+        self._groups: tuple[int, ...] | None = None  # the replica groups of the last quorum
+        self._seen: set[int] = set()
+        self._healed = False  # this group took a live group's state in the last quorum
         ctx = engine.ctx
         hostname = options.hostname or socket.gethostname()
         # The group's own TCPStore: torchrun's (MASTER_ADDR/PORT), else one of ours. The other groups
@@ -193,8 +205,18 @@ class ReplicaGroup(Callback):
                 "with `kiln run` (torchrun), which sets MASTER_ADDR and MASTER_PORT"
             )
         seconds = timedelta(seconds=options.timeout)
+        pg_class = process_group_class(ctx.device)
+        nccl = pg_class.__name__ == "ProcessGroupNCCL"
+        if nccl:
+            # torchft's NCCL group is non-blocking and warns, then sets this to its timeout, when unset.
+            os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(options.timeout))
+        quiet_torchft(nccl=nccl)
+        self._pg = _recording(pg_class)(timeout=seconds)
+        transport: Any = HTTPTransport(timeout=seconds, num_chunks=0)  # torchft's default, made here to quiet it
+        quiet_checkpoint_server(transport)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=seconds),
+            pg=self._pg,
+            checkpoint_transport=transport,
             load_state_dict=self._load_peer_state,
             state_dict=self._peer_state,
             min_replica_size=options.min_replicas,
@@ -222,6 +244,24 @@ class ReplicaGroup(Callback):
         self.quorum_seconds += time.perf_counter() - start
         self.num_participants = self.manager.num_participants()
         self._open = True
+        self._report_membership()
+
+    def _report_membership(self) -> None:
+        """kiln's line when the quorum's groups changed (group rank 0 only)."""
+        groups = self._pg.groups  # set by torchft at each new quorum, before start_quorum returns
+        step = self.state.timestamp.batch.value + 1  # the step this quorum is for
+        lines = []
+        if self._healed and step > 1:  # at step 1 it is torchft's first sync of the weights, not a recovery
+            lines.append(f"replica group {self.group} took the live groups' state at step {step}")
+        self._healed = False
+        if groups is not None and groups != self._groups:
+            before, self._groups = self._groups, groups
+            total = self.options.num_replica_groups
+            assert total is not None  # FaultTolerance set it
+            lines += membership_lines(before, groups, step=step, num_groups=total, seen=self._seen)
+        if self.engine.ctx.rank == 0:
+            for line in lines:
+                print_line(f"kiln: {line}")
 
     def sync_gradients(self) -> bool:
         """Average the gradients over the quorum's groups; True when every group commits this step."""
@@ -281,6 +321,7 @@ class ReplicaGroup(Callback):
 
         load_model_optimizer_state(self.state, saved["tensors"])
         restore_training_state(self.state, saved["training"], source="the state from a live replica group")
+        self._healed = True
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -297,6 +338,46 @@ class ReplicaGroup(Callback):
     def data_shard(self, size: int, rank: int) -> tuple[int, int]:
         """This rank's share of the data across every group: (number of shares, index)."""
         return self.options.data_shard(size, rank)
+
+
+def process_group_class(device: torch.device | str) -> type:
+    """torchft's process group for the cross-group gradient average of groups that train on ``device``:
+    ``ProcessGroupNCCL`` for CUDA (the gradients stay on the GPUs; NCCL needs them there) and
+    ``ProcessGroupGloo`` otherwise (CPU tensors). torchft's in-process NCCL group, not its "baby"
+    variant, which runs NCCL in a subprocess with a CUDA context of its own (about 1 GB more per
+    GPU, kernels time-shared with the step's)."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL if torch.device(device).type == "cuda" else ProcessGroupGloo
+
+
+def _recording(pg_class: type) -> type:
+    """``pg_class`` that also keeps ``groups``: the replica groups of the quorum it was last
+    configured for (torchft reconfigures it at each new quorum with the global ranks in it,
+    ``replica group x group size + group rank``; kiln names the groups ``kiln_group_<index>``)."""
+
+    class Recording(pg_class):
+        groups: tuple[int, ...] | None = None
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            if global_ranks and group_world_size:
+                self.groups = tuple(sorted({r // group_world_size for r in global_ranks}))
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+
+    Recording.__name__ = Recording.__qualname__ = f"Recording{pg_class.__name__}"
+    return Recording
 
 
 def _parameters(optimizer: Any) -> list[torch.Tensor]:
