@@ -37,9 +37,15 @@ Cost of one optimizer step, in seconds: ``compute + communication + bubble``.
   ring moves them: all-gather and reduce-scatter ``(n-1)/n x bytes``, all-reduce twice that,
   point-to-point the bytes. FSDP gathers a stage's parameters in ``cb`` twice per microbatch (forward,
   backward; ``microbatches + 1`` times in a pipeline, as kiln's dry run measures) and reduce-scatters
-  its gradients once per step; tensor parallelism all-reduces ``t x h x cb`` bytes 7 times per layer
-  and microbatch (2 forward; 5 backward: q, k, v, gate and up each all-reduce their input's gradient),
-  8 with checkpointing (as the dry run counts them); a pipeline
+  its gradients once per step; tensor parallelism with sequence and loss parallelism (the default
+  where kiln has the model's plan: Llama, Mistral, Qwen2 without a pipeline) gathers and
+  reduce-scatters ``t x h x cb`` bytes, each block 4 and 4 times per microbatch (6 and 5 with
+  checkpointing), plus 2 for the embedding and the head, and all-reduces ``t x cb`` per token in
+  the loss (2 per block and 1); its parameters, norms, residual stream and logits are divided by
+  ``tp`` (the embedding and the head split over the vocabulary). Without it, tensor parallelism
+  all-reduces ``t x h x cb`` bytes 7 times per layer and microbatch (2 forward; 5 backward: q, k,
+  v, gate and up each all-reduce their input's gradient), 8 with checkpointing (as the dry run
+  counts them; tests/test_search_vs_dry_run.py holds the two to each other); a pipeline
   sends each microbatch's activations and receives their gradients. Nothing is assumed overlapped;
 * bubble: ``(pp - 1) / microbatches`` of the compute (1F1B).
 
@@ -122,6 +128,7 @@ class ModelShape:
     tied: bool = False
     huggingface: bool = False
     blocks: tuple[str, ...] = ()  # module names of the blocks (pipeline split points)
+    sequence_parallel: bool = False  # kiln has a sequence-parallel plan for it (tp > 1 uses it, without pp)
 
     @property
     def layer_split_params(self) -> int:
@@ -175,7 +182,16 @@ class ModelShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             huggingface=callable(getattr(config, "to_dict", None)),
             blocks=blocks,
+            sequence_parallel=_has_sequence_parallel_plan(model),
         )
+
+
+def _has_sequence_parallel_plan(model: nn.Module) -> bool:
+    # what Hybrid(tp=N) turns on by default: sequence parallelism and, with untied embeddings, loss
+    # parallelism (kiln.parallel.transforms.sequence_parallel); kiln.models.tp_plan knows the families
+    from kiln.models.tp_plan import huggingface_sequence_parallel_refusal, tied_embeddings
+
+    return huggingface_sequence_parallel_refusal(model) is None and not tied_embeddings(model)
 
 
 @dataclass
@@ -306,11 +322,14 @@ def _price(
 ) -> None:
     pb, gb, cb, rb = precision_bytes(precision)
     dp, tp, pp, m = plan.dp_shard, plan.tp, plan.pp, plan.microbatches
+    # sequence and loss parallelism: on with tp > 1 where kiln has the model's plan, not with a pipeline
+    sp = shape.sequence_parallel and tp > 1 and pp == 1
     layers = math.ceil(shape.num_layers / pp)
     layer_tp = shape.layer_params - shape.layer_split_params + shape.layer_split_params // tp
     norm = shape.hidden
-    first = layers * layer_tp + shape.embed_params + (shape.head_params + norm if pp == 1 else 0)
-    last = layers * layer_tp + shape.head_params + norm + (shape.embed_params if pp == 1 else 0)
+    embed, head = (shape.embed_params // tp, shape.head_params // tp) if sp else (shape.embed_params, shape.head_params)
+    first = layers * layer_tp + embed + (head + norm if pp == 1 else 0)
+    last = layers * layer_tp + head + norm + (embed if pp == 1 else 0)
     shard = math.ceil(max(first, last) / dp)
     params, grads, optimizer = shard * pb, shard * gb, optimizer_factor * shard * pb
     gathered = 2 * layer_tp * cb if dp > 1 else 0
@@ -320,12 +339,13 @@ def _price(
     amp = 1 if precision.startswith("amp") else 0
     full_width = shape.hidden * (4 * rb + 5 * cb * amp)
     split = q * (4 * cb + 2 * rb + 3 * cb * amp) + kv * (3 * cb + rb) + 4 * cb * shape.ffn
-    per_layer = t * (full_width + split // tp)
+    # with sequence parallelism the norms and the residual stream hold a sequence shard
+    per_layer = t * (full_width // (tp if sp else 1) + split // tp)
     ckpt = plan.activation_checkpointing is not None
-    kept = t * shape.hidden * rb if ckpt else per_layer
+    kept = t * shape.hidden * rb // (tp if sp else 1) if ckpt else per_layer
     recompute = per_layer if ckpt else 0
     inflight = min(pp, m) if pp > 1 else 1
-    logits = t * shape.vocab * _LOGITS_BYTES_PER_VOCAB
+    logits = t * shape.vocab * _LOGITS_BYTES_PER_VOCAB // (tp if sp else 1)  # loss parallel: a vocabulary shard
     act_first = inflight * layers * kept + recompute + (logits if pp == 1 else 0)
     if pp > 1 and amp:
         # the last stage's output, bf16 logits under autocast, cast back to the traced fp32 for the loss
@@ -344,7 +364,8 @@ def _price(
     # compute: FLOPs of the stage on this rank's tokens
     tokens = global_batch * seq_len // dp
     fwd_per_token = 2 * layers * layer_tp + 4 * layers * seq_len * q // tp
-    fwd_per_token += 2 * shape.vocab * shape.hidden  # the LM head, whole on each tensor-parallel rank
+    # the LM head: whole on each tensor-parallel rank, or its vocabulary shard with loss parallelism
+    fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if sp else 1)
     flops = (3 + (1 if ckpt else 0)) * fwd_per_token * tokens
     compute = flops / (device.bf16_flops * COMPUTE_EFFICIENCY)
     bubble = compute * (pp - 1) / m if pp > 1 else 0.0
@@ -360,7 +381,21 @@ def _price(
         collectives["all_gather"] = {"dp_shard": ag}
         collectives["reduce_scatter"] = {"dp_shard": rs}
         comm += (dp - 1) / dp * (ag + rs) / bw["dp_shard"]
-    if tp > 1:
+    if tp > 1 and sp:
+        # each block gathers the sequence before its attention and its MLP and reduce-scatters after
+        # them, in the forward and (their transposes) in the backward, and again in a checkpointed
+        # block's recomputation (which stops before its last reduce-scatter); the embedding
+        # reduce-scatters, the head gathers. The loss's all-reduces are per token (as kiln's dry run
+        # counts them: 2 per block and 1, each of t compute-dtype values).
+        per_call = t * shape.hidden * cb
+        gathers, scatters = (6, 5) if ckpt else (4, 4)
+        ag, rs = (gathers * layers + 2) * m * per_call, (scatters * layers + 2) * m * per_call
+        ar = (2 * layers + 1) * m * t * cb
+        collectives["all_gather"] = {**collectives.get("all_gather", {}), "tp": ag}
+        collectives["reduce_scatter"] = {**collectives.get("reduce_scatter", {}), "tp": rs}
+        collectives["all_reduce"] = {"tp": ar}
+        comm += (tp - 1) / tp * (ag + rs + 2 * ar) / bw["tp"]
+    elif tp > 1:
         per_call = t * shape.hidden * cb
         ar = (8 if ckpt else 7) * layers * m * per_call
         collectives["all_reduce"] = {"tp": ar}
