@@ -402,14 +402,15 @@ def test_export_without_a_config_in_the_checkpoint(tmp_path, capsys):
 
 
 def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
-    import safetensors.torch
+    import kiln.models.hf_folder
 
     checkpoint, model = _plain_checkpoint(tmp_path)
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    # the export writes its safetensors files itself, one tensor at a time (kiln.models.hf_folder)
+    monkeypatch.setattr(kiln.models.hf_folder, "_write_file", full_disk)
     with pytest.raises(kiln.checkpoint.CheckpointError, match="could not be written"):
         kiln.checkpoint.export_hf(checkpoint, tmp_path / "hf", config=model.config)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

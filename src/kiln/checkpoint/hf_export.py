@@ -65,7 +65,7 @@ def dcp_sources(path: Any, prefix: str, dtype: torch.dtype | None) -> list[Tenso
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     sources = []
-    for name, entry in dcp_model_entries(path).items():
+    for name, entry in sorted(dcp_model_entries(path).items()):  # by name, as a merged checkpoint's export
         if not isinstance(entry, TensorStorageMetadata) or not name.startswith(prefix):
             continue
         saved = entry.properties.dtype
