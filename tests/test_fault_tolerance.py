@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +325,89 @@ def test_three_groups_one_killed_and_restarted(drill3):
     for other in saved[1:]:
         _assert_equal(saved[0], other)
     assert _replay([r for log in logs.values() for r in log], 576, saved[0], rtol=1e-5) == saved[0]["t"] - 1
+
+
+FOREIGN = ("Traceback", "NCCL", "HTTP/1.1", "UserWarning")  # what a healthy recovery must not print
+
+
+def test_survivor_prints_one_line_per_departure_and_return(drill):
+    # group 0 saw group 1 die (step DIE_AT did not commit; the next quorum is without it), come
+    # back (group 0 sent it its state over the HTTP transport) and hang: exactly kiln's three lines
+    g0 = _steps(drill["g0"])
+    back = min(r["t"] for r in _steps(drill["g1b"]))
+    hang = next(r for r in drill["g1b"] if r["event"] == "hang")["t"]
+    assert [r["t"] for r in g0 if r["n"] == 1][:1] == [DIE_AT + 1]
+    err = (drill["folder"] / "g0.err").read_text()
+    assert err.splitlines() == [
+        f"kiln: replica group 1 left the quorum at step {DIE_AT + 1}; continuing with 1 of 2 groups",
+        f"kiln: replica group 1 rejoined the quorum at step {back}; 2 of 2 groups",
+        f"kiln: replica group 1 left the quorum at step {hang + 1}; continuing with 1 of 2 groups",
+    ], err[-3000:]
+
+
+def test_restarted_group_prints_no_foreign_lines(drill):
+    back = min(r["t"] for r in _steps(drill["g1b"]))
+    for name in ("g1a", "g1b", "g1c"):
+        err = (drill["folder"] / f"{name}.err").read_text()
+        assert not [word for word in FOREIGN if word in err], f"{name}: {err[-3000:]}"
+    lines = (drill["folder"] / "g1b.err").read_text().splitlines()
+    assert lines[0] == f"kiln: replica group 1 took the live groups' state at step {back}", lines
+
+
+def test_lighthouse_prints_a_line_per_quorum_change(drill):
+    # torchft's Rust server logged ~700 INFO lines in this drill (a quorum request, a status and a
+    # "Quorum!" line per step); kiln prints one line per change of the quorum's members
+    assert (drill["folder"] / "lighthouse.err").read_text() == ""
+    lines = (drill["folder"] / "lighthouse.out").read_text().splitlines()[1:]
+    changes = [line.split("; ", 1)[1] if "; " in line else "" for line in lines]
+    assert changes[:4] == ["", "kiln_group_1 left", "kiln_group_1 joined", "kiln_group_1 left"], lines
+    assert lines[0].startswith("kiln lighthouse: quorum 1 at committed step 0: 2 replica groups "), lines
+    assert len(lines) <= 6, lines
+
+
+def test_membership_lines():
+    from kiln.trainer.ft_quiet import membership_lines
+
+    seen: set[int] = set()
+    assert membership_lines(None, [0, 1, 2], step=1, num_groups=3, seen=seen) == []
+    assert membership_lines([0, 1, 2], [0], step=5, num_groups=3, seen=seen) == [
+        "replica groups 1 and 2 left the quorum at step 5; continuing with 1 of 3 groups"
+    ]
+    assert membership_lines([0], [0, 2], step=9, num_groups=3, seen=seen) == [
+        "replica group 2 rejoined the quorum at step 9; 2 of 3 groups"
+    ]
+    late: set[int] = set()
+    assert membership_lines(None, [1], step=3, num_groups=2, seen=late) == [
+        "training from step 3 with 1 of 2 replica groups (replica group 0 not yet in the quorum)"
+    ]
+    assert membership_lines([1], [0, 1], step=4, num_groups=2, seen=late) == [
+        "replica group 0 joined the quorum at step 4; 2 of 2 groups"
+    ]
+
+
+def test_cross_group_process_group_follows_the_device():
+    # CUDA gradients are averaged by NCCL on the GPUs, not staged through host memory over gloo
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    from kiln.trainer.fault_tolerance import process_group_class
+
+    assert process_group_class(torch.device("cuda", 3)) is ProcessGroupNCCL
+    assert process_group_class("cuda") is ProcessGroupNCCL
+    assert process_group_class(torch.device("cpu")) is ProcessGroupGloo
+    assert process_group_class("meta") is ProcessGroupGloo
+
+
+def test_replica_group_records_the_quorum_groups():
+    # torchft configures the process group with the quorum's global ranks (group x size + rank)
+    from torchft import ProcessGroupGloo
+
+    from kiln.trainer.fault_tolerance import _recording
+
+    pg = _recording(ProcessGroupGloo)(timeout=timedelta(seconds=0.2))
+    assert isinstance(pg, ProcessGroupGloo) and pg.groups is None
+    with pytest.raises(RuntimeError):  # no store there: the groups are recorded before torchft's configure
+        pg.configure("127.0.0.1:1/x", "kiln_group_1", 0, 2, 7, 1, 2, [1, 5])
+    assert pg.groups == (0, 2)
 
 
 def test_options_are_checked():

@@ -191,19 +191,23 @@ class ReplicaGroup(Callback):
         self._healed = False  # this group took a live group's state in the last quorum
         ctx = engine.ctx
         hostname = options.hostname or socket.gethostname()
-        # The group's own TCPStore: torchrun's (MASTER_ADDR/PORT), else one of ours. The other groups
-        # reach it to build the cross-group process group, so it listens on every interface.
-        self._store: Any = None
-        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT") and ctx.world_size > 1:
-            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        elif ctx.world_size == 1:
-            self._store = torch.distributed.TCPStore(hostname, 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = hostname, self._store.port
-        else:
+        # The group's own TCPStore, new with each start of the group, on group rank 0 at ``hostname``
+        # (the other groups reach it there to build the cross-group process group). Not torchrun's
+        # (MASTER_ADDR/PORT): that one outlives an elastic restart and still holds the dead rank 0's
+        # manager address, which the restarted ranks read before the new rank 0 writes its own.
+        if ctx.world_size > 1 and not torch.distributed.is_initialized():
             raise RuntimeError(
-                "fault_tolerance= with a group of several processes needs the launcher's store: run the group "
-                "with `kiln run` (torchrun), which sets MASTER_ADDR and MASTER_PORT"
+                "fault_tolerance= with a group of several processes needs the group's process group: run the "
+                "group with `kiln run` (torchrun) or another kiln launcher"
             )
+        self._store: Any = None
+        where: list[Any] = [None, None]
+        if ctx.rank == 0:
+            self._store = torch.distributed.TCPStore(hostname, 0, is_master=True, wait_for_workers=False)
+            where = [hostname, self._store.port]
+        if ctx.world_size > 1:
+            torch.distributed.broadcast_object_list(where, src=0)
+        store_addr, store_port = where
         seconds = timedelta(seconds=options.timeout)
         pg_class = process_group_class(ctx.device)
         nccl = pg_class.__name__ == "ProcessGroupNCCL"
