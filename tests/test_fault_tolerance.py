@@ -410,6 +410,62 @@ def test_replica_group_records_the_quorum_groups():
     assert pg.groups == (0, 2)
 
 
+def test_torchft_messages_go_to_kilns_debug(capsys, monkeypatch):
+    """What ReplicaGroup quiets: torchft's loggers reach kiln's logger at DEBUG only (--verbose),
+    the flight-recorder line is dropped on gloo, the checkpoint server's access line is logged, not
+    written to stderr, and torch's non-writable-buffer warning is ignored."""
+    import logging
+    import warnings
+    from http.server import BaseHTTPRequestHandler
+
+    from kiln.launch.logging import get_dist_logger
+    from kiln.trainer import ft_quiet
+
+    monkeypatch.delenv("KILN_DEBUG", raising=False)
+    torchft, manager = logging.getLogger("torchft"), logging.getLogger("torchft.manager")
+    saved = (torchft.handlers[:], torchft.propagate, torchft.level, manager.filters[:], get_dist_logger().logger.level)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # below the filter quiet_torchft adds in front
+            ft_quiet.quiet_torchft(nccl=False)
+            ft_quiet.quiet_torchft(nccl=False)  # twice, as two Trainers in one process: one handler
+            assert sum(isinstance(h, ft_quiet._ToKilnDebug) for h in torchft.handlers) == 1
+            manager.warning("[kiln_group_0/0 - step 3] got exception waiting for work")
+            manager.warning("[kiln_group_0/0 - step 3] Unable to reset NCCL flight recorder recording so ...")
+            assert capsys.readouterr() == ("", "")  # kiln's level is INFO: nothing
+            get_dist_logger().set_level("DEBUG")
+            manager.warning("[kiln_group_0/0 - step 3] got exception waiting for work")
+            manager.warning("[kiln_group_0/0 - step 3] Unable to reset NCCL flight recorder recording so ...")
+
+            class Handler(BaseHTTPRequestHandler):
+                def __init__(self) -> None:  # no socket: only log_message is called
+                    self.client_address = ("::1", 1)
+                    self.requestline = "GET /checkpoint/152/full HTTP/1.1"
+
+            server = type("Server", (), {"RequestHandlerClass": Handler})()
+            ft_quiet.quiet_checkpoint_server(type("Transport", (), {"_server": server})())
+            server.RequestHandlerClass().log_request(200)
+            out, err = capsys.readouterr()
+            assert err == ""
+            assert "DEBUG kiln.torchft: [torchft.manager WARNING] [kiln_group_0/0 - step 3] got exception" in out
+            assert "flight recorder" not in out
+            assert '[torchft.checkpointing.http_transport DEBUG] ::1 "GET /checkpoint/152/full HTTP/1.1" 200 -' in out
+            warnings.warn_explicit(
+                "The given buffer is not writable, and PyTorch does not support non-writable tensors.",
+                UserWarning,
+                "_serialization.py",
+                63,
+                module="torch.distributed._serialization",
+            )
+            with pytest.raises(UserWarning):  # the same words from elsewhere are not hidden
+                warnings.warn_explicit("The given buffer is not writable", UserWarning, "x.py", 1, module="mine")
+    finally:
+        torchft.handlers[:], torchft.propagate = saved[0], saved[1]
+        torchft.setLevel(saved[2])
+        manager.filters[:] = saved[3]
+        get_dist_logger().set_level(saved[4])
+
+
 def test_options_are_checked():
     from kiln.trainer import FaultTolerance
     from kiln.trainer.fault_tolerance import as_fault_tolerance

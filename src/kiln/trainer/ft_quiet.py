@@ -67,14 +67,15 @@ def quiet_torchft(*, nccl: bool) -> None:
         return
     from kiln.launch.logging import get_dist_logger
 
-    kiln_logger = get_dist_logger().logger  # creates kiln's handler: kiln.torchft's records reach it
+    get_dist_logger()  # creates kiln's handler, which kiln.torchft's records reach
     torchft = logging.getLogger("torchft")
     if not any(isinstance(h, _ToKilnDebug) for h in torchft.handlers):
         torchft.addHandler(_ToKilnDebug())
         torchft.propagate = False
         if torchft.level == logging.NOTSET:  # a level the user set stays
-            # INFO records (several a step) are only formatted when someone reads them.
-            torchft.setLevel(logging.INFO if kiln_logger.isEnabledFor(logging.DEBUG) else logging.WARNING)
+            # All of them, for kiln's DEBUG (whose level is read at each record: a few a step, and
+            # only formatted when kiln's logger is at DEBUG).
+            torchft.setLevel(logging.DEBUG)
     manager = logging.getLogger("torchft.manager")
     filters = [f for f in manager.filters if isinstance(f, _NoFlightRecorder)]
     if not nccl and not filters:
