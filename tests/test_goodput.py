@@ -4,7 +4,7 @@
   processes: the first forked, the resume a real `kiln run`): the account says 2 steps lost (10 - 8),
   the resumed launch's recovery runs from the killed launch's last record to its first step (the
   time the worker itself logged, within 0.15 s), each launch's segments add up to its wall time
-  within 1%, `kiln run` prints the goodput line and `kiln report` the table and the figure.
+  within 1%, `kiln run` prints the goodput line and `kiln report` the table and the figure (goodput.svg).
 * A save stall injected as a 1.0 s sleep per save (two saves) is 2.0 s of checkpoint stall within 10%.
 * A loader whose ``__getitem__`` sleeps 0.05 s (two items a batch) is 0.1 s of data wait per step
   after the first, within 10%.
@@ -38,7 +38,7 @@ WORKER = WORKERS / "goodput_worker.py"
 def crashed(tmp_path_factory):
     out = tmp_path_factory.mktemp("goodput")
     killed = fork_run(WORKER, str(out), "--kill-at", "10", nproc=1, timeout=180)
-    first = read_account(out / "ckpt" / "goodput.json")
+    first = read_account(out / "ckpt.goodput.json")
     resumed = kiln_run(WORKER, str(out), nproc=1, timeout=240)
     return out, killed, first, resumed
 
@@ -52,7 +52,7 @@ def test_a_killed_run_resumed_reports_exactly_the_steps_lost(crashed):
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [(x["ended"], x["last_step"]) for x in first] == [(False, 10)]  # step 10's record was written
-    launches = read_account(out / "ckpt" / "goodput.json")
+    launches = read_account(out / "ckpt.goodput.json")
     assert [(x["first_step"], x["last_step"], x["ended"]) for x in launches] == [(0, 10, False), (8, 16, True)]
     assert [x["lost_steps"] for x in launches] == [2, 0]  # computed to 10, resumed from the checkpoint at 8
     # the lost seconds: the killed launch's time after the commit at 8, at most steps 9 and 10 and the rest
@@ -65,7 +65,7 @@ def test_a_killed_run_resumed_reports_exactly_the_steps_lost(crashed):
 
 def test_recovery_runs_from_the_failure_to_the_first_step(crashed):
     out, _, _, _ = crashed
-    launches = read_account(out / "ckpt" / "goodput.json")
+    launches = read_account(out / "ckpt.goodput.json")
     steps = _steps(out)
     pids = list(dict.fromkeys(x["pid"] for x in steps))
     first_step = next(x["time"] for x in steps if x["pid"] == pids[1])  # batch 9's end, in the resumed process
@@ -77,7 +77,7 @@ def test_recovery_runs_from_the_failure_to_the_first_step(crashed):
 
 def test_each_launch_s_segments_add_up_to_its_wall_time(crashed):
     out, _, _, _ = crashed
-    launches = read_account(out / "ckpt" / "goodput.json")
+    launches = read_account(out / "ckpt.goodput.json")
     for launch in launches:
         wall = launch["end"] - launch["begin"]  # Unix times: the process's start (or the failure) to the last record
         total = sum(launch["seconds"].values())
@@ -106,7 +106,7 @@ def test_kiln_run_prints_the_goodput_line_and_kiln_report_the_table(crashed, tmp
     assert "steps lost per failure: 2" in result.stdout
     rows = [r.split() for r in result.stdout.splitlines()]
     assert rows[1][:2] == ["1", "0-10"] and rows[2][:2] == ["2", "8-16"] and rows[3][0] == "all"
-    assert (tmp_path / "report" / "goodput.png").stat().st_size > 0
+    assert (tmp_path / "report" / "goodput.svg").stat().st_size > 0
     assert "Goodput" in (tmp_path / "report" / "report.html").read_text()
     metrics = [json.loads(x)["metrics"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in metrics if "goodput/fraction" in m][-1]
@@ -161,9 +161,8 @@ def test_a_save_stall_shows_as_checkpoint_seconds(tmp_path, monkeypatch):
     monitor = _fit(tmp_path, 8, save_folder=tmp_path / "ckpt", save_interval="4ba")  # saves at 4 and 8
     stall = monitor.seconds["checkpoint"]
     print(f"checkpoint stall {stall:.3f} s for 2.0 s injected (saves alone: {baseline:.3f} s)")
-    assert stall >= 2.0
-    assert abs(stall - baseline - 2.0) <= 0.2
-    assert read_account(tmp_path / "ckpt" / "goodput.json")[0]["seconds"]["checkpoint"] == stall
+    assert 2.0 <= stall <= 2.2 + baseline  # the sleep, within 10%, and what the saves themselves cost
+    assert read_account(tmp_path / "ckpt.goodput.json")[0]["seconds"]["checkpoint"] == stall
 
 
 def test_a_slow_loader_shows_as_data_wait(tmp_path):

@@ -4,7 +4,8 @@
 
 Every rank appends one JSON line per batch to OUT/steps.jsonl (one os.write each) with the batch,
 this process's id and ``time.time()`` at ``BATCH_END``. The goodput account is written at every
-step (``GoodputMonitor(interval=0)``) into OUT/ckpt/goodput.json; autoresume continues from OUT/ckpt.
+step (``GoodputMonitor(interval=0)``) into OUT/ckpt.goodput.json (and goodput/* logged at every record:
+``log_interval=0``); autoresume continues from OUT/ckpt.
 
 --kill-at N: once batch N is done (its checkpoint event, and so its record, passed), rank 0
 SIGKILLs itself at the next batch's start, as the OOM killer would.
@@ -72,6 +73,6 @@ trainer = kiln.Trainer(
     save_interval="4ba",
     autoresume=True,
     progress_bar=False,
-    goodput=GoodputMonitor(interval=0),
+    goodput=GoodputMonitor(interval=0, log_interval=0),
 )
 trainer.fit()

@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "event files) and write report.html (self-contained) and one PNG per figure: loss, learning "
         "rate, throughput and MFU, memory and evaluation metrics, with checkpoints and resumes marked. "
         "Several runs are overlaid on the same axes. A run's goodput account (goodput.json under RUN) "
-        "is printed as a table (seconds per segment, one row per launch) and drawn as goodput.png.",
+        "is printed as a table (seconds per segment, one row per launch) and drawn as goodput.svg.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="a run folder (or a .jsonl / event file)")
     p.add_argument(

@@ -76,17 +76,18 @@ def _goodput_section(runs: list[Run], folder: Path) -> str:
         if not launches:
             continue
         header, rows = table_rows(launches)
-        png = folder / ("goodput.png" if len(runs) == 1 else f"goodput-{i + 1}.png")
-        draw_account(launches, png, run.name)
+        # an SVG: the PNGs beside the page are the curves' figures, one per panel
+        svg = folder / ("goodput.svg" if len(runs) == 1 else f"goodput-{i + 1}.svg")
+        draw_account(launches, svg, run.name)
         cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
         body = "".join(
             "<tr>" + "".join(f'<td class="num">{html.escape(c)}</td>' for c in row) + "</tr>" for row in rows
         )
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        data = base64.b64encode(svg.read_bytes()).decode("ascii")
         parts.append(
             f"<h3>{html.escape(run.name)} ({html.escape(str(path))}), seconds</h3><table><tr>{cells}</tr>{body}</table>"
-            f'<figure id="goodput-{i + 1}"><img alt="goodput" src="data:image/png;base64,{data}">'
-            f"<figcaption>one bar per launch ({html.escape(png.name)})</figcaption></figure>"
+            f'<figure id="goodput-{i + 1}"><img alt="goodput" src="data:image/svg+xml;base64,{data}">'
+            f"<figcaption>one bar per launch ({html.escape(svg.name)})</figcaption></figure>"
         )
     return "".join(parts)
 

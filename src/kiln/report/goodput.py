@@ -19,8 +19,8 @@ Segments (each launch's add up to its wall time):
 * ``lost``: everything a failed launch did after the checkpoint the next launch resumed from
   (steps computed and then redone, their data waits, evaluations and saves).
 
-The file (``goodput.json`` in the save folder, else ``<log>.goodput.json`` beside a File logger's
-file) is JSON: ``{"version": 1, "launches": [...]}``, each launch with ``begin``/``end`` (Unix
+The file (``<save_folder>.goodput.json`` beside the save folder, else ``<log>.goodput.json`` beside
+a File logger's file) is JSON: ``{"version": 1, "launches": [...]}``, each launch with ``begin``/``end`` (Unix
 seconds), ``ended`` (``fit()`` reached its end), ``first_step``/``last_step``, ``world_size``,
 ``seconds`` (per segment), ``lost_steps`` and ``commits`` (the segments when each checkpoint was
 committed, to split a failed launch at the one resumed from).
@@ -55,7 +55,7 @@ SEGMENTS = ("starting", "recovery", "productive", "eval", "checkpoint", "data", 
 """The segments of a launch's wall time, in the order tables and bars show them."""
 
 ACCOUNT_NAME = "goodput.json"
-"""The account's file name in a save folder."""
+"""The account's file name ends so: ``<save_folder>.goodput.json``, ``<log>.goodput.json``."""
 
 POINTER_ENV = "KILN_GOODPUT_POINTER"
 """Set by ``kiln run``: a file into which rank 0 writes the path of its account, for the end-of-run line."""
@@ -110,14 +110,16 @@ def write_account(path: str | os.PathLike[str], launches: Sequence[Mapping[str, 
 
 
 def find_account(path: str | os.PathLike[str]) -> Path | None:
-    """The account under a run's folder (or beside a log file): the newest ``goodput.json`` or
-    ``*.goodput.json``; None when there is none."""
+    """The account of a run: the newest ``*goodput.json`` under its folder (or beside a log file),
+    or beside the folder when it is the save folder itself; None when there is none."""
     root = Path(path)
     if root.is_file():
         root = root.parent
     if not root.is_dir():
         return None
     found = [p for p in root.rglob(f"*{ACCOUNT_NAME}") if p.is_file() and not p.name.startswith(".")]
+    beside = root.parent / f"{root.name}.{ACCOUNT_NAME}"
+    found += [beside] if beside.is_file() else []
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -209,7 +211,7 @@ def format_table(launches: Sequence[Mapping[str, Any]]) -> str:
 
 
 def draw_account(launches: Sequence[Mapping[str, Any]], path: Path, title: str, dpi: int = 110) -> None:
-    """One bar per launch, its segments stacked (seconds), to ``path`` (a PNG)."""
+    """One bar per launch, its segments stacked (seconds), to ``path`` (an SVG)."""
     from kiln.report.plots import import_pyplot
 
     plt = import_pyplot()
@@ -233,12 +235,16 @@ def draw_account(launches: Sequence[Mapping[str, Any]], path: Path, title: str, 
             ax.spines[side].set_visible(False)
         ax.legend(
             loc="upper center",
-            bbox_to_anchor=(0.5, -0.25 if len(launches) < 3 else -0.12),
+            bbox_to_anchor=(0.5, -0.3 if len(launches) < 3 else -0.15),
             ncol=7,
             fontsize=8,
             frameon=False,
         )
         fig.tight_layout()
-        fig.savefig(path, dpi=dpi, facecolor="white", bbox_inches="tight")
+        fig.set_facecolor("white")
+        # the SVG canvas itself: the page's curve figures are the ones Figure.savefig writes
+        from matplotlib.backends.backend_svg import FigureCanvasSVG
+
+        FigureCanvasSVG(fig).print_svg(str(path))
     finally:
         plt.close(fig)

@@ -16,9 +16,11 @@ wall time (from the process's start, or from the failure it recovers from, to it
 Per step this is two or three ``perf_counter`` reads and additions: no device read, no collective,
 no I/O. Every ``interval`` seconds (checked at a step's end), at ``FIT_END`` and at the process's
 exit (an error, a preemption), rank 0 writes the account atomically to ``goodput.json`` in the save
-folder (else beside a File logger's file): a SIGKILL loses at most its last ``interval`` seconds.
-Every ``log_interval`` seconds and at ``FIT_END`` it logs ``goodput/fraction``,
-``goodput/lost_steps`` and ``goodput/seconds/<segment>`` (the run's totals over all launches).
+folder (``<save_folder>.goodput.json``, beside it: the folder holds checkpoints only; else beside a
+File logger's file): a SIGKILL loses at most its last ``interval`` seconds. Every ``log_interval``
+seconds, and at ``FIT_END`` once it has logged, it logs ``goodput/fraction``, ``goodput/lost_steps``
+and ``goodput/seconds/<segment>`` (the run's totals over all launches). The Trainer adds it only
+when there is a save folder or a logger (somewhere for the account to go).
 
 A launch that resumes reads the account: when the last launch did not reach the end of ``fit()``
 (it failed), its time after the checkpoint resumed from becomes lost work and its steps past it
@@ -28,12 +30,12 @@ from that launch's last record. After a launch that ended, the time between the 
 Args:
     interval: seconds between two writes of the account file.
     log_interval: seconds between two logs of the ``goodput/*`` metrics (a record of a dozen
-        values; 30 s keeps them out of a short run's logs but for the last).
+        values; a run shorter than this logs none: its account is in the file).
     start: Unix time the first launch's ``starting`` counts from (default: the process's start).
 
 Example::
 
-    trainer = kiln.Trainer(model, ..., save_folder="runs/a")     # runs/a/goodput.json
+    trainer = kiln.Trainer(model, ..., save_folder="runs/a/ckpt")     # runs/a/ckpt.goodput.json
     trainer = kiln.Trainer(model, ..., goodput=GoodputMonitor(interval=10.0))
 """
 
@@ -93,6 +95,7 @@ class GoodputMonitor(Callback):
                 raise ValueError(f"GoodputMonitor {name}={value!r} must be a number of seconds >= 0")
         self.interval, self.log_interval = float(interval), float(log_interval)
         self._log_due = 0.0
+        self._logged = False  # goodput/* logged in this process
         self.start = process_start_time() if start is None else float(start)
         self.save_timer = _SaveStart(self)
         self.path: Path | None = None  # the account's file (rank 0), set by attach()
@@ -111,8 +114,8 @@ class GoodputMonitor(Callback):
         """Where the account lives: the saver's local folder, else beside the first local File logger's file."""
         self._saver = saver
         folder = getattr(saver, "folder", None)
-        if isinstance(folder, Path):
-            self.path = folder / ACCOUNT_NAME
+        if isinstance(folder, Path):  # beside the folder: the folder holds checkpoints only
+            self.path = folder.parent / f"{folder.name}.{ACCOUNT_NAME}"
             return
         for destination in destinations:
             path = getattr(destination, "path", None)
@@ -204,7 +207,9 @@ class GoodputMonitor(Callback):
             self._commit(state)
         assert self.launch is not None
         self.launch["ended"] = True
-        self._log_due = 0.0  # the run's last values are logged
+        if self._logged:  # the series gets its last point; a run shorter than log_interval logs none
+            self._log_due = 0.0
+        self._logged = False  # goodput/* logged in this process
         self.record(state, logger)
         self._fitting = False
         atexit.unregister(self._at_exit)
@@ -230,7 +235,7 @@ class GoodputMonitor(Callback):
         if self._fitting:  # the interval since the last mark, charged where it belongs
             self._charge()
         if logger is not None and now >= self._log_due:
-            self._log_due = now + self.log_interval
+            self._log_due, self._logged = now + self.log_interval, True
             sums = totals(self.launches)
             value = fraction(self.launches)
             if value > 0:

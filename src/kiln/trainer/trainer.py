@@ -111,8 +111,9 @@ class Trainer:
             commit only when the quorum of live groups agrees, and a restarted group takes the state
             of a live one. ``trainer.fault_tolerance`` is then the :class:`~kiln.trainer.fault_tolerance.ReplicaGroup`.
         goodput: keep the run's goodput account (``True``, the default; ``False``: none; or a
-            :class:`kiln.trainer.goodput.GoodputMonitor`): wall time by segment across launches,
-            logged as ``goodput/*`` and written to ``goodput.json`` in the save folder (docs/report.md).
+            :class:`kiln.trainer.goodput.GoodputMonitor`, kept always) when there is a save folder or a logger:
+            wall time by segment across launches, logged as ``goodput/*`` and written beside the
+            save folder (``<save_folder>.goodput.json``; docs/report.md). ``trainer.goodput``: the monitor or None.
         moe_monitor: a model with :class:`kiln.models.MoE` layers gets a
             :class:`kiln.callbacks.MoEMonitor` every ``log_interval`` (router statistics, and the
             bias balancing of ``load_balance="bias"`` layers) unless ``callbacks`` hold one; False: none.
@@ -297,6 +298,9 @@ class Trainer:
             schedulers, state, opts.duration.step_schedulers_every_batch, opts.duration.scale_schedule_ratio
         )
         self._saver = None
+        # the default goodput account where it has somewhere to go (a save folder, a logger); a monitor given, always
+        keep = goodput is not True or save_folder is not None or bool(self.logger.destinations)
+        self.goodput = opts.logging.goodput if keep else None
         if self.fault_tolerance is not None:  # before the saver: its quorum comes first at each event
             self.events.add(self.fault_tolerance)
         if save_folder is not None and (self.fault_tolerance is None or self.fault_tolerance.writes_checkpoints):
@@ -311,10 +315,9 @@ class Trainer:
                 save_async=save_async,
                 storage_options=storage_options,
             )
-            if opts.logging.goodput is not None:  # times the saves: registered just before the saver
-                self.events.add(opts.logging.goodput.save_timer)
+            if self.goodput is not None:  # times the saves: registered just before the saver
+                self.events.add(self.goodput.save_timer)
             self.events.add(self._saver)
-        self.goodput = opts.logging.goodput
         if self.goodput is not None:  # after the saver: it charges the saver's time as checkpoint stall
             self.goodput.attach(self._saver, self.logger.destinations)
             self.events.add(self.goodput)
