@@ -445,10 +445,15 @@ def test_torchft_messages_go_to_kilns_debug(capsys, monkeypatch):
             server = type("Server", (), {"RequestHandlerClass": Handler})()
             ft_quiet.quiet_checkpoint_server(type("Transport", (), {"_server": server})())
             server.RequestHandlerClass().log_request(200)
+            try:
+                raise BrokenPipeError(32, "Broken pipe")
+            except BrokenPipeError:
+                server.handle_error(None, ("::1", 1))  # socketserver's call for a failed request
             out, err = capsys.readouterr()
             assert err == ""
             assert "DEBUG kiln.torchft: [torchft.manager WARNING] [kiln_group_0/0 - step 3] got exception" in out
             assert "flight recorder" not in out
+            assert "checkpoint request from ('::1', 1) failed\nTraceback" in out and "BrokenPipeError" in out
             assert '[torchft.checkpointing.http_transport DEBUG] ::1 "GET /checkpoint/152/full HTTP/1.1" 200 -' in out
             warnings.warn_explicit(
                 "The given buffer is not writable, and PyTorch does not support non-writable tensors.",

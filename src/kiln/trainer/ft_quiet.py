@@ -13,6 +13,8 @@ replica group:
 * the checkpoint server's access lines (``"GET /checkpoint/115/full HTTP/1.1" 200 -``):
   :class:`http.server.BaseHTTPRequestHandler` writes ``log_message`` to stderr; the server's
   handler class is swapped for a subclass whose ``log_message`` logs to torchft's logger (so DEBUG).
+  The same for the traceback :mod:`socketserver` prints when a request fails (``handle_error``:
+  a recovering peer that timed out closed its socket, and asks again at the next quorum).
 * ``UserWarning: The given buffer is not writable``: torch's streaming load
   (``torch.distributed._serialization``, which torchft's transport calls) wraps the received bytes
   with ``torch.frombuffer``; the tensors are copied into the model and never written. Ignored for
@@ -107,6 +109,13 @@ def quiet_checkpoint_server(transport: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
     server.RequestHandlerClass = type(handler.__name__, (handler,), {"log_message": log_message, "_kiln_quiet": True})
+
+    def handle_error(request: Any, client_address: Any) -> None:
+        # socketserver prints a request's exception with its traceback to stderr: a peer that gave
+        # up on a transfer (its timeout passed) leaves a BrokenPipeError here, and it retries.
+        log.warning("checkpoint request from %s failed", client_address, exc_info=True)
+
+    server.handle_error = handle_error
 
 
 def membership_lines(
