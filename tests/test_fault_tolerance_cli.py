@@ -2,7 +2,8 @@
 `kiln lighthouse` and two replica groups, each `kiln train -f examples/mlp.yaml --nproc-per-node 2`
 with the `fault_tolerance.*` keys, in working directories of their own.
 
-Both groups commit every step and finish, their output free of torchft's per-step INFO lines; only
+Both groups commit every step and finish, their output free of torchft's per-step INFO lines and of
+its other messages (no flight-recorder line, no checkpoint server access line); only
 group 0 (save_group) writes checkpoints; and the
 groups train on different data: the config CLI's own sampler must split the data over the groups as
 the Trainer's does (it did not: both groups read the same half of the data, and their losses were
@@ -58,6 +59,10 @@ def test_both_groups_finish_and_only_group_0_writes_checkpoints(groups):
         assert re.search(r"done: step 4/4 \(100%\)", out), out[-2000:]
         # torchft's manager logs at INFO several lines a step; kiln keeps its warnings only
         assert "[INFO] [torchft::" not in out + err, err[-2000:]
+        # nor torchft's other messages of a healthy start: the flight-recorder line on this gloo run,
+        # the access line of the checkpoint server that synced the weights at step 0
+        for word in ("Traceback", "NCCL", "HTTP/1.1", "UserWarning"):
+            assert word not in out + err, f"group {group}: {word!r} in\n{err[-2000:]}"
     assert (folder / "g0" / "runs" / "mlp" / "checkpoints" / "last").exists()
     assert not (folder / "g1" / "runs").exists()
 
