@@ -405,6 +405,8 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     import kiln.models.hf_folder
 
     checkpoint, model = _plain_checkpoint(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())  # the run's: its checkpoints, its goodput account
+    assert "ck" in before
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -413,7 +415,7 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(kiln.models.hf_folder, "_write_file", full_disk)
     with pytest.raises(kiln.checkpoint.CheckpointError, match="could not be written"):
         kiln.checkpoint.export_hf(checkpoint, tmp_path / "hf", config=model.config)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_export_to_an_object_store_url(tmp_path, monkeypatch):
