@@ -264,25 +264,10 @@ class _Capture(kiln.loggers.LoggerDestination):
 
 
 def test_moe_llama_trains_under_the_trainer_and_logs_router_stats():
-    torch.manual_seed(0)
-    model = kiln.models.MoELlama(
-        vocab_size=32, dim=32, num_layers=2, num_heads=4, max_seq_len=16, num_experts=4, top_k=2
-    )
-    capture = _Capture()
-    trainer = kiln.Trainer(
-        model,
-        train_dataloader=torch.utils.data.DataLoader(_Patterns(), batch_size=8),
-        max_duration="8ba",
-        optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
-        callbacks=[kiln.callbacks.MoEMonitor(interval=4)],
-        loggers=[capture],
-        progress_bar=False,
-        seed=0,
-    )
-    trainer.fit()
-    losses = [m["train/loss"] for _, m in capture.rows if "train/loss" in m]
+    rows, _ = _moe_run(max_duration="8ba", callbacks=[kiln.callbacks.MoEMonitor(interval=4)])
+    losses = [m["train/loss"] for _, m in rows if "train/loss" in m]
     assert losses[-1] < 0.8 * losses[0], losses
-    logged = [(step, m) for step, m in capture.rows if "moe/imbalance" in m]
+    logged = [(step, m) for step, m in rows if "moe/imbalance" in m]
     assert [step for step, _ in logged] == [4, 8]
     for _, m in logged:  # 4 batches x 8 sequences x 16 tokens x top_k 2 x 2 layers since the last log
         assert sum(m[f"moe/tokens_per_expert/{i}"] for i in range(4)) == 4 * 8 * 16 * 2 * 2
@@ -292,7 +277,8 @@ def test_moe_llama_trains_under_the_trainer_and_logs_router_stats():
         )
 
 
-def _moe_run(**options):
+def _moe_run(max_duration="4ba", **options):
+    """A MoELlama trained under the Trainer: the rows its loggers got, and its MoEMonitors."""
     torch.manual_seed(0)
     model = kiln.models.MoELlama(
         vocab_size=32, dim=32, num_layers=2, num_heads=4, max_seq_len=16, num_experts=4, top_k=2
@@ -301,7 +287,7 @@ def _moe_run(**options):
     trainer = kiln.Trainer(
         model,
         train_dataloader=torch.utils.data.DataLoader(_Patterns(), batch_size=8),
-        max_duration="4ba",
+        max_duration=max_duration,
         optimizers=torch.optim.AdamW(model.parameters(), lr=1e-2),
         loggers=[capture],
         progress_bar=False,
@@ -310,14 +296,19 @@ def _moe_run(**options):
     )
     trainer.fit()
     monitors = [c for c in trainer.state.callbacks if isinstance(c, kiln.callbacks.MoEMonitor)]
-    return [step for step, m in capture.rows if "moe/imbalance" in m], monitors
+    return capture.rows, monitors
+
+
+def _logged_at(run):
+    rows, monitors = run
+    return [step for step, m in rows if "moe/imbalance" in m], monitors
 
 
 def test_a_model_with_moe_layers_gets_the_router_statistics_by_default():
     # every log_interval (2 batches here), with no callback given: the run file's MoE runs log them too
-    steps, monitors = _moe_run(log_interval="2ba")
+    steps, monitors = _logged_at(_moe_run(log_interval="2ba"))
     assert steps == [2, 4] and [m.interval for m in monitors] == [2]
     # one the user gave is the only one; moe_monitor=False turns the default off
-    steps, monitors = _moe_run(callbacks=[kiln.callbacks.MoEMonitor(interval=4)])
+    steps, monitors = _logged_at(_moe_run(callbacks=[kiln.callbacks.MoEMonitor(interval=4)]))
     assert steps == [4] and [m.interval for m in monitors] == [4]
-    assert _moe_run(moe_monitor=False) == ([], [])
+    assert _logged_at(_moe_run(moe_monitor=False)) == ([], [])
