@@ -40,6 +40,14 @@ def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -
 # taking the next file as it finishes one, so no worker is left running a long file alone at the end.
 LONGEST_FIRST = (
     "test_multinode.py",  # drills of real launchers (issue 24)
+    "test_one_traceback.py",  # real kiln run launches of up to 8 ranks
+    "test_sequence_parallel.py",
+    "test_fault_tolerance_kill.py",
+    "test_hf_load.py",
+    "test_goodput.py",
+    "test_crash_durability.py",
+    "test_hf_export.py",
+    "test_train_preflight.py",
     "test_clean_exit.py",
     "test_launch_join.py",
     "test_packaging.py",
