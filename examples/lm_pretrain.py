@@ -24,6 +24,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lm_data import stdlib_text  # noqa: E402
 
 
+class Kept(kiln.loggers.LoggerDestination):
+    """Writes nothing: with it, the Trainer's logger keeps each metric's last value (``latest``)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+
 def schedule() -> kiln.optim.CosineAnnealingWithWarmupScheduler:
     """Warmup over the first tenth of the run, then cosine to 0 (lm_pretrain.yaml's lr_scheduler)."""
     return kiln.optim.CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur")
@@ -85,6 +92,7 @@ def main() -> dict[str, float]:
         activation_checkpointing=ac,
         clip_grad_norm=1.0,
         callbacks=[kiln.callbacks.SpeedMonitor(window_size=10, peak_flops_per_sec=peak)],
+        loggers=[Kept()],  # the logged values, for the closing summary; the progress lines print
         seed=0,  # progress as kiln train prints it: a line at each tenth of the run (a bar on a terminal)
     )
     trainer.fit()

@@ -45,6 +45,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["add_parser", "torchrun_args", "run", "describe_failure"]
@@ -232,13 +233,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if log_dir is not None:
             argv = torchrun_args(argparse.Namespace(**{**vars(args), "log_dir": log_dir}))
-        status = _launch(argv, log_dir, _single_node(args), tracebacks)
-        line = goodput_line(pointer[0])
-        if line is not None:
-            from kiln.launch.failures import print_line
-
-            print_line(line)
-        return status
+        return _launch(argv, log_dir, _single_node(args), tracebacks, lambda: _print_goodput(pointer[0]))
     finally:
         _goodput_pointer(pointer)
         if log_dir is not None:
@@ -266,6 +261,14 @@ def _goodput_pointer(made: tuple[str, str | None] | None = None) -> tuple[str, s
     saved = os.environ.get(POINTER_ENV)
     os.environ[POINTER_ENV] = path
     return path, saved
+
+
+def _print_goodput(pointer: str) -> None:
+    line = goodput_line(pointer)
+    if line is not None:
+        from kiln.launch.failures import print_line
+
+        print_line(line)
 
 
 def goodput_line(pointer: str) -> str | None:
@@ -309,9 +312,17 @@ def _single_node(args: argparse.Namespace) -> bool:
     return str(args.nnodes) in ("1", "1:1")
 
 
-def _launch(argv: list[str], log_dir: str | None, single_node: bool, tracebacks: bool = False) -> int:
+def _launch(
+    argv: list[str],
+    log_dir: str | None,
+    single_node: bool,
+    tracebacks: bool = False,
+    before_last: Callable[[], None] = lambda: None,
+) -> int:
     """torchrun's agent in this process; the exit status, after one line on failure or a signal
-    (after the first failed rank's traceback too, with ``tracebacks``: the workers printed none)."""
+    (after the first failed rank's traceback too, with ``tracebacks``: the workers printed none).
+    ``before_last`` runs before that closing line (or at the end of a job that succeeded): the
+    goodput line, so the line that says how the job ended stays the last."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
@@ -326,9 +337,11 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool, tracebacks:
         # (its whole traceback) once more
         torchrun(parse_args(argv))
     except SystemExit as exc:  # torchrun exits with the workers' status
+        before_last()
         return int(exc.code or 0)
     except SignalException as exc:  # torchrun forwarded the signal and waited for every worker
         name = exc.sigval.name + (" (Ctrl-C)" if exc.sigval == signal.SIGINT else "")
+        before_last()
         print_line(f"kiln run: stopped by {name}; every worker has ended")
         return 128 + int(exc.sigval)
     except Exception as exc:  # noqa: BLE001 - one line, not torch's traceback
@@ -339,6 +352,7 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool, tracebacks:
         if failed is not None and _preempted(failed):
             from kiln.checkpoint.preemption import PREEMPTED_EXIT_CODE
 
+            before_last()
             print_line(
                 f"kiln run: preempted: the workers saved a checkpoint and exited {PREEMPTED_EXIT_CODE}; "
                 "the same command resumes from it (autoresume)"
@@ -346,15 +360,18 @@ def _launch(argv: list[str], log_dir: str | None, single_node: bool, tracebacks:
             return PREEMPTED_EXIT_CODE
         found = getattr(failed, "failures", None) or (find_failures(log_dir) if log_dir is not None else None)
         if found:
+            before_last()
             print_summary(explain(found, single_node), tracebacks)
             return 1
         if os.environ.get("KILN_DEBUG") == "1":
             raise
+        before_last()
         print_line(f"kiln run: {describe_failure(failed or exc)} (KILN_DEBUG=1 shows the traceback)")
         return 1
     finally:
         if forwarding is not None:
             signal.signal(signal.SIGUSR1, forwarding)
+    before_last()
     return 0
 
 

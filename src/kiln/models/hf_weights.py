@@ -105,7 +105,7 @@ def resolve_dtype(config: Any, dtype: torch.dtype | str | None, folder: Path) ->
         file = SafetensorsFile(sorted(set(keys.values()))[0])
         try:
             for entry in file.entries.values():
-                value = _DTYPES.get(entry["dtype"])
+                value = _SAFETENSORS_DTYPES.get(entry["dtype"])
                 if value is not None and value.is_floating_point:
                     return value
         finally:
@@ -113,7 +113,8 @@ def resolve_dtype(config: Any, dtype: torch.dtype | str | None, folder: Path) ->
     return torch.get_default_dtype()
 
 
-_DTYPES = {
+# safetensors header dtype codes -> torch dtypes (a file format's names, not kiln's precision names)
+_SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -165,9 +166,9 @@ class SafetensorsFile:
 
     def dtype(self, key: str) -> torch.dtype:
         name = self.entries[key]["dtype"]
-        if name not in _DTYPES:
+        if name not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{self.path}: {key} has dtype {name}, which kiln does not read")
-        return _DTYPES[name]
+        return _SAFETENSORS_DTYPES[name]
 
     def read(self, key: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The box ``box`` (one slice per dim, steps of 1; None: all) of tensor ``key``."""
