@@ -6,12 +6,22 @@ once group 0 has gone on alone for a few steps; the new process heals from group
 optimizer, timestamp, data position) and joins the quorum. Both groups write their state a few
 steps after that; then group 1 stops itself with SIGSTOP between its forward and the gradient
 allreduce (a hung group), and group 0 must drop that step after the collective timeout and go on
-alone. A reference replay in this process of exactly the steps that committed, each averaging the
-gradients of the groups that took part, must give the same weights bit for bit.
+alone. A reference replay in this process, from the run's seed alone (no kiln code), of every
+step, each committed one averaging the gradients of the groups that took part, must give each
+group's loss and the weights bit for bit: the groups drop out inputs, read a shuffled share and
+decay the learning rate per batch, and a restarted group is built with another seed, so a heal
+that leaves out the RNG, the data position, the sampler's seed or the scheduler fails it. The
+groups' goodput accounts show the restarted group's recovery and no lost steps.
+
+Heal restores broken on purpose in ``ReplicaGroup._load_peer_state``, each failing (then restored):
+no RNG restore (the replay: group 1's loss after the heal), the group's own scheduler state kept
+(the replay), the sampler state dropped (its seed: the data check and the replay), the position
+set to the epoch's start (the data check and the replay).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -30,6 +40,7 @@ from distributed import WORKERS, base_env, free_port
 pytest.importorskip("torchft")
 
 DIE_AT = 4
+SEED = 0  # the run's seed (tests/workers/ft_group.py: a restarted group gets it with the state it heals from)
 RESUMED = 2  # steps a group resumed from the checkpoint trains
 TIMEOUT, HEARTBEAT = 2.0, 1.0  # the groups' collective timeout; the Lighthouse's heartbeat timeout
 SLACK = 6.0  # seconds a loaded machine may add to a stall (torchft's default timeouts are 60 s)
@@ -200,13 +211,10 @@ def test_restarted_group_heals_to_identical_state(drill):
         f"{first['time'] - built['time']:.2f} s after its Trainer was built (quorum, state transfer, step)"
     )
     assert first["t"] > DIE_AT + 3  # it took the live group's timestamp, not its own from scratch
-    # the data position came with it: group 1 reads every step's batch of its list (64 a round), as
-    # if it had never been away, and not its list's start again
-    torch.manual_seed(0)
-    inputs = torch.randn(512, 4)
+    # the data position and the sampler's seed came with it (it was built with another seed): group
+    # 1 reads each step's batch of the run's shuffled order, as if it had never been away
     for r in [*_steps(drill["g1a"]), *g1b, *_steps(drill["g1c"])]:
-        start = 4 + 8 * ((r["t"] - 1) % 64)
-        assert r["x"] == inputs[start : start + 4].tolist(), r["t"]
+        assert r["x"] == _batch(r["t"], 1, 2)[0].tolist(), r["t"]
     a, b = (torch.load(drill["folder"] / f"final-g{g}.pt", weights_only=True) for g in (0, 1))
     assert a["t"] == b["t"] == first["t"] + 3
     for key in ("model", "optimizer"):
@@ -215,29 +223,55 @@ def test_restarted_group_heals_to_identical_state(drill):
 
 
 def test_group_0_reads_its_share_of_the_data(drill):
-    # kiln's sampler deals the samples over num_replica_groups x 1 shares: group 0 reads every
-    # other one (group 1 reads the rest, from its list)
-    torch.manual_seed(0)
-    inputs = torch.randn(512, 4)
-    for r in _steps(drill["g0"]):
-        start = 8 * ((r["t"] - 1) % 64)
-        assert r["x"] == inputs[start : start + 8 : 2].tolist(), r["t"]
+    # kiln's sampler deals the samples over num_replica_groups x 1 shares: group 0 reads every other
+    # one of the run's shuffled order (group 1 the rest)
+    assert all(r["x"] == _batch(r["t"], 0, 2)[0].tolist() for r in _steps(drill["g0"]))
+    assert len(_steps(drill["g0"])) > 2 * BATCHES  # past two epochs: the order of each epoch is its own
+
+
+BATCHES = 16  # batches per group and epoch: ft_group.py's SIZE is 64 x the number of groups
+
+
+def _batch(t: int, group: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ``group``'s batch at step ``t``, from the run's seed alone: torch's DistributedSampler
+    order (a permutation seeded by seed + epoch, dealt round-robin over the groups), computed
+    here without kiln's sampler or its resume code."""
+    inputs, targets = _dataset(groups)
+    epoch, k = divmod(t - 1, BATCHES)
+    rows = _order(groups, epoch)[group::groups][4 * k : 4 * k + 4]
+    return inputs[rows], targets[rows]
+
+
+@functools.cache
+def _dataset(groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)  # the worker's torch.manual_seed(0), not touching this process's RNG
+    return torch.randn(64 * groups, 4, generator=g), torch.randn(64 * groups, 1, generator=g)
+
+
+@functools.cache
+def _order(groups: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(64 * groups, generator=torch.Generator().manual_seed(SEED + epoch))
 
 
 def test_final_loss_equals_reference_of_committed_steps(drill):
     saved = torch.load(drill["folder"] / "final-g0.pt", weights_only=True)
     logs = [*_steps(drill["g0"]), *_steps(drill["g1a"]), *_steps(drill["g1b"]), *_steps(drill["g1c"])]
-    num_committed = _replay(logs, 512, saved)
+    num_committed = _replay(logs, 2, saved)
     assert num_committed == max(r["t"] for r in logs) - 2  # the step group 1 died in and the one it hung in
 
 
-def _replay(logs: list[dict], size: int, saved: dict, rtol: float = 0.0) -> int:
-    """Replay exactly the committed steps in this process, each averaging the gradients of the
-    groups that logged it (summed in group order); every step's loss must be what each group
-    logged and the weights and momentum at ``saved["t"]`` what the groups wrote: bit for bit
+def _replay(logs: list[dict], groups: int, saved: dict, rtol: float = 0.0) -> int:
+    """Replay every step in this process from the run's seed alone, with no kiln code: each group's
+    batch (:func:`_batch`), its dropout mask (the torch RNG stream of seed 0, which every live
+    group is on: a DataLoader's ``iter()`` draws one number at each epoch's start, each forward
+    draws its mask; a restarted group has it only from the heal or the checkpoint), the learning
+    rate (decayed once per batch) and, on the steps that committed, the gradients of the groups that
+    logged the step averaged (summed in group order). Every step's loss must be what each group
+    logged, and the weights and momentum at ``saved["t"]`` what the groups wrote: bit for bit
     (``rtol`` 0: two values sum the same in any order), else within ``rtol`` (gloo sums three in an
-    order of its own: a last-bit difference, where a dropped or extra step, or an average over the
-    wrong groups, moves the weights by ~1e-2). Returns the number of committed steps."""
+    order of its own: a last-bit difference, where a dropped or extra step, a wrong batch, mask or
+    learning rate, or an average over the wrong groups, moves the weights by ~1e-2). Returns the
+    number of committed steps."""
 
     def same(a: Any, b: Any) -> None:
         if rtol:
@@ -248,35 +282,80 @@ def _replay(logs: list[dict], size: int, saved: dict, rtol: float = 0.0) -> int:
     by_t: dict[int, list[dict]] = {}
     for r in logs:
         by_t.setdefault(r["t"], []).append(r)
-    torch.manual_seed(0)
-    torch.randn(size, 4), torch.randn(size, 1)  # the dataset the groups build first
-    model = nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
-    num_committed = 0
-    for t in range(1, max(by_t) + 1):
-        if t == saved["t"] + 1:  # the state the groups wrote
-            same(saved["model"], model.state_dict())
-            same(saved["optimizer"]["state"], optimizer.state_dict()["state"])
-        records = sorted(by_t[t], key=lambda r: r["g"])
-        assert len({r["committed"] for r in records}) == 1, records  # the groups agree
-        if not records[0]["committed"]:
-            continue
-        assert len(records) == records[0]["n"]  # every group of the quorum logged its batch
-        grads = []
-        for r in records:
-            model.zero_grad()
-            loss = nn.functional.mse_loss(model(torch.tensor(r["x"])), torch.tensor(r["y"]))
-            same(loss.item(), r["loss"])  # the forward each group ran
-            loss.backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, *gs in zip(model.parameters(), *grads):
-            total = gs[0]
-            for g in gs[1:]:
-                total = total + g
-            p.grad = total / len(gs)
-        optimizer.step()
-        num_committed += 1
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        torch.randn(64 * groups, 4), torch.randn(64 * groups, 1)  # the dataset the groups build first
+        model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
+        torch.manual_seed(SEED)  # the Trainer's seed
+        num_committed = 0
+        for t in range(1, max(by_t) + 1):
+            if t == saved["t"] + 1:  # the state the groups wrote
+                same(saved["model"], model.state_dict())
+                same(saved["optimizer"]["state"], optimizer.state_dict()["state"])
+            if (t - 1) % BATCHES == 0:  # the DataLoader's iter() draws its base seed
+                torch.empty((), dtype=torch.int64).random_()
+            records = sorted(by_t[t], key=lambda r: r["g"])
+            assert len({r["committed"] for r in records}) == 1, records  # the groups agree
+            rng = torch.get_rng_state()
+            grads = []
+            for r in records:
+                torch.set_rng_state(rng)  # each group's forward draws the same mask
+                inputs, targets = _batch(t, r["g"], groups)
+                model.zero_grad()
+                loss = nn.functional.mse_loss(model(inputs), targets)
+                same(loss.item(), r["loss"])  # the forward each group ran, committed or not
+                loss.backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            if records[0]["committed"]:
+                assert len(records) == records[0]["n"]  # every group of the quorum logged its batch
+                for p, *gs in zip(model.parameters(), *grads):
+                    total = gs[0]
+                    for g in gs[1:]:
+                        total = total + g
+                    p.grad = total / len(gs)
+                optimizer.step()
+                num_committed += 1
+            scheduler.step()  # every batch a group runs, committed or not
     return num_committed
+
+
+def test_goodput_accounts_show_the_restarted_group_s_recovery_and_no_lost_steps(drill):
+    from kiln.report.goodput import read_account
+
+    folder = drill["folder"]
+    survivor = read_account(folder / "checkpoints.goodput.json")  # group 0 writes the checkpoints
+    assert [(x["first_step"], x["ended"], x["lost_steps"]) for x in survivor] == [(0, True, 0)]
+    assert survivor[0]["seconds"]["recovery"] == survivor[0]["seconds"]["lost"] == 0
+    g1a, g1b, g1c = launches = read_account(folder / "g1.goodput.json")
+    back = _steps(drill["g1b"])[0]
+    dumped = next(r["t"] for r in drill["g1b"] if r["event"] == "dumped")
+    final = _steps(drill["g0"])[-1]["t"]
+    assert [(x["first_step"], x["last_step"], x["ended"]) for x in launches] == [
+        (0, DIE_AT - 1, False),  # the record of its last step before the death; none after a SIGKILL
+        (back["t"] - 1, dumped, False),  # from the live group's step; killed while hung
+        (final, final + RESUMED, True),  # from group 0's last checkpoint
+    ]
+    # the quorum kept every step the killed launches committed, and the next went on from a later
+    # step: no step and no second is lost
+    assert [(x["lost_steps"], x["seconds"]["lost"]) for x in launches] == [(0, 0.0)] * 3
+    assert [x["seconds"]["starting"] > 0 for x in launches] == [True, False, False]
+    # The restarted group's recovery: from the dead launch's last record to the end of its first
+    # committed step after the heal (the first step's end closes it; the worker logs that step's
+    # time at batch_end, just before). The drill's own measure runs from the death (the worker's
+    # line just before its SIGKILL, in the middle of step DIE_AT) to that step: the account, which
+    # has no record of a death, begins it at the end of step DIE_AT - 1, up to the part of step
+    # DIE_AT that ran earlier; 0.15 s for the marks' distance from the logged times on a loaded machine.
+    recovery = g1b["seconds"]["recovery"]
+    died = next(r["time"] for r in drill["g1a"] if r["event"] == "die")
+    before = _steps(drill["g1a"])[-1]["time"]  # step DIE_AT - 1's end
+    measured = back["time"] - died
+    print(f"\ngroup 1's recovery: {recovery:.2f} s in its account, {measured:.2f} s from its death to its first step")
+    assert abs(recovery - (back["time"] - g1a["end"])) < 0.15
+    assert -0.15 < recovery - measured < died - before + 0.15
+    assert recovery > back["time"] - drill["restarted_at"]  # the new process's start is inside it
+    assert g1c["seconds"]["recovery"] > 0
 
 
 def test_hung_group_is_dropped_after_its_timeout(drill):
@@ -324,7 +403,7 @@ def test_three_groups_one_killed_and_restarted(drill3):
     saved = [torch.load(folder / f"final-g{g}.pt", weights_only=True) for g in range(3)]
     for other in saved[1:]:
         _assert_equal(saved[0], other)
-    assert _replay([r for log in logs.values() for r in log], 576, saved[0], rtol=1e-5) == saved[0]["t"] - 1
+    assert _replay([r for log in logs.values() for r in log], 3, saved[0], rtol=1e-5) == saved[0]["t"] - 1
 
 
 FOREIGN = ("Traceback", "NCCL", "HTTP/1.1", "UserWarning")  # what a healthy recovery must not print

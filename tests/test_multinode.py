@@ -10,14 +10,17 @@ module-scoped setup runs each drill once and the tests read what it left:
   5 (the checkpoint at batch 4 is the last complete one); the other node re-rendezvouses alone,
   restarts at world size 1 and resumes from batch 4 (DCP reshards the 2-rank checkpoint). At batch
   8 it waits while a node comes back (a new `kiln run`): the agent stops its worker (which
-  checkpoints batch 8 on the SIGTERM) and both nodes restart at world size 2 from batch 8. Runs
-  resumed from the same checkpoints at the same world sizes by a single launcher give the same
-  losses and weights, bit for bit.
+  checkpoints batch 8 on the SIGTERM) and both nodes restart at world size 2 from batch 8. Its
+  losses and final weights are those of a replay in this process that shares no resume code
+  (:func:`_replay`: plain torch, each launch's batches, dropout masks and starting state derived
+  from the run's seed and the rules a change of world size keeps), bit for bit; its goodput
+  account shows each restart's recovery and the steps lost since the last checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -26,8 +29,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from distributed import ROOT, WORKERS, base_env, check, fork_run, free_port
 from kiln.cli.run import torchrun_args
@@ -39,6 +45,7 @@ pytestmark = pytest.mark.timeout(900)
 SCRIPT = WORKERS / "elastic_nodes.py"
 KILL_AT = 5  # after the checkpoint at batch 4 (save_interval 2ba)
 HOLD_AT = 8  # at world size 1 the job waits at the end of this batch for the node coming back
+DURATION = 16  # elastic_nodes.py's default: past the end of the first epoch at world size 2 (batch 14)
 
 
 # A launcher started ahead, its imports done, that runs `kiln run` once GO exists: two nodes of an
@@ -132,7 +139,7 @@ def _cli_job(out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode")
-    names = ("two_nodes", "one_node", "cli_two_nodes", "cli_one_node", "elastic", "reference", "rejoined_reference")
+    names = ("two_nodes", "one_node", "cli_two_nodes", "cli_one_node", "elastic")
     runs = {name: tmp / name for name in names}
     for path in runs.values():
         path.mkdir()
@@ -155,7 +162,7 @@ def drills(tmp_path_factory):
 
 
 def _elastic_drill(tmp: Path, runs: dict[str, Path]) -> str:
-    """The elastic job and its two references; returns the log of the node that stayed."""
+    """The elastic job; returns the log of the node that stayed."""
     # an elastic job loses a node after batch 5 and goes on alone; at batch 8 a node comes back
     port = free_port()
     joining, joining_ready, joining_go = _launcher(
@@ -181,14 +188,64 @@ def _elastic_drill(tmp: Path, runs: dict[str, Path]) -> str:
     assert dying.returncode == -9
     assert staying.returncode == 0, staying_log.read_text()[-4000:]
     assert joining.returncode == 0, (tmp / "elastic-joining.log").read_text()[-4000:]
-    # The references, each the elastic job's checkpoint resumed by one job of a fixed world size
-    # (ranks forked: tests/distributed.py's fork_run): world size 1 from the checkpoint at batch 4;
-    # world size 2 from the one the world-size-1 worker wrote when its agent stopped it to take the
-    # node in.
-    check(fork_run(SCRIPT, str(runs["reference"]), "--load", str(runs["elastic"] / "ckpt" / "ep0-ba4"), nproc=1))
-    checkpoint = runs["elastic"] / "ckpt" / f"ep0-ba{HOLD_AT}"
-    check(fork_run(SCRIPT, str(runs["rejoined_reference"]), "--load", str(checkpoint), nproc=2))
     return staying_log.read_text()
+
+
+def _replay() -> dict[str, Any]:
+    """The elastic job replayed in this process in plain torch, sharing no code with kiln's resume:
+    ``{"losses": {(world, rank, batch): loss}, "weights": the final state_dict}``.
+
+    What each launch starts from, by the rules of a change of world size (docs/checkpoints.md):
+    the weights and AdamW state of the checkpoint it resumed (batch 4 at world size 1, batch 8 at
+    world size 2; batch 5 at world size 2 ran and was lost); the epoch's order goes on from the
+    samples already consumed, dealt to the new ranks (torch's DistributedSampler order: a
+    permutation seeded by seed + epoch, rank r taking every world-th sample); the RNG states are
+    not restored on another world size, so each launch's ranks start the stream of the Trainer's
+    seed again (every rank the same one: a DataLoader's ``iter()`` draws one number at the launch's
+    first batch and at each epoch's start, each forward its dropout mask). Gradients are the
+    average of the ranks' (two addends: the same bits in any order)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 8, generator=g)
+    y = (x[:, 0] > 0).long()
+    seed, losses = 3, {}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        resume: dict[int, Any] = {}
+        # (world size, its batches, the batch of the checkpoint it starts from, samples of epoch 0 consumed before)
+        for world, batches, start, consumed in (
+            (2, range(1, KILL_AT + 1), 0, 0),
+            (1, range(5, HOLD_AT + 1), 4, 32),
+            (2, range(HOLD_AT + 1, DURATION + 1), HOLD_AT, 48),
+        ):
+            if start:
+                model.load_state_dict(resume[start][0])
+                optimizer.load_state_dict(resume[start][1])
+            torch.manual_seed(seed)  # the Trainer's seed_everything, on every rank
+            epoch, position = 0, consumed
+            for batch in batches:
+                if position == 96:  # the epoch's end: the next one's order
+                    epoch, position = epoch + 1, 0
+                if batch == batches[0] or position == 0:  # the DataLoader's iter() draws its base seed
+                    torch.empty((), dtype=torch.int64).random_()
+                order = torch.randperm(96, generator=torch.Generator().manual_seed(seed + epoch))[position:]
+                rng, grads = torch.get_rng_state(), []
+                for rank in range(world):
+                    torch.set_rng_state(rng)
+                    rows = order[rank::world][:4]
+                    model.zero_grad()
+                    loss = nn.functional.cross_entropy(model(x[rows]), y[rows])
+                    losses[world, rank, batch] = loss.item()
+                    loss.backward()
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                for p, *gs in zip(model.parameters(), *grads):
+                    p.grad = gs[0] if world == 1 else (gs[0] + gs[1]) / 2
+                optimizer.step()
+                position += 4 * world
+                if batch in (4, HOLD_AT):
+                    resume[batch] = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    return {"losses": losses, "weights": model.state_dict()}
 
 
 def test_two_nodes_train_as_one_launcher_of_the_same_world_size(drills):
@@ -216,7 +273,12 @@ def test_a_config_cli_job_on_two_nodes_trains_as_on_one_launcher(drills):
     assert os.readlink(runs["cli_two_nodes"] / "ckpt" / "last") == "ep0-ba4"
 
 
-def test_elastic_job_goes_on_alone_from_the_last_checkpoint_bit_exact(drills):
+@pytest.fixture(scope="module")
+def replay():
+    return _replay()
+
+
+def test_elastic_job_goes_on_alone_from_the_last_checkpoint_bit_exact(drills, replay):
     runs, _ = drills
     lines = _lines(runs["elastic"] / "steps.jsonl")
     kill = next(x for x in lines if x.get("event") == "kill")
@@ -227,13 +289,12 @@ def test_elastic_job_goes_on_alone_from_the_last_checkpoint_bit_exact(drills):
     assert [x["batch"] for x in restart] == [4]  # resumed once, from the checkpoint at batch 4
     alone = _losses(lines, world=1)
     assert sorted(alone) == [(0, b) for b in range(5, HOLD_AT + 1)]  # batch 5 again, on to the hold
-    reference = _losses(_lines(runs["reference"] / "steps.jsonl"))
-    assert sorted(reference) == [(0, b) for b in range(5, 25)]
-    # the same checkpoint resumed at world size 1 by a single launcher: bit for bit
-    assert alone == {k: v for k, v in reference.items() if k[1] <= HOLD_AT}
+    # the plain-torch replay: bit for bit, before the death and alone after it
+    assert before == {(r, b): v for (w, r, b), v in replay["losses"].items() if w == 2 and b <= KILL_AT}
+    assert alone == {(r, b): v for (w, r, b), v in replay["losses"].items() if w == 1}
 
 
-def test_a_node_that_comes_back_is_taken_in_at_the_next_restart_bit_exact(drills):
+def test_a_node_that_comes_back_is_taken_in_at_the_next_restart_bit_exact(drills, replay):
     runs, _ = drills
     lines = _lines(runs["elastic"] / "steps.jsonl")
     hold = next(x["time"] for x in lines if x.get("event") == "hold")
@@ -243,11 +304,11 @@ def test_a_node_that_comes_back_is_taken_in_at_the_next_restart_bit_exact(drills
     assert sorted((x["rank"], x["world"], x["batch"]) for x in rejoined) == [(0, 2, HOLD_AT), (1, 2, HOLD_AT)]
     assert {x["node"] for x in rejoined} == {0, 1}
     together = {k: v for k, v in _losses(lines, world=2).items() if k[1] > HOLD_AT}
-    assert sorted(together) == [(r, b) for r in range(2) for b in range(HOLD_AT + 1, 25)]
-    reference = _lines(runs["rejoined_reference"] / "steps.jsonl")
-    assert together == _losses(reference)  # the same checkpoint resumed at world size 2: bit for bit
+    assert sorted(together) == [(r, b) for r in range(2) for b in range(HOLD_AT + 1, DURATION + 1)]
+    # the plain-torch replay, bit for bit: its losses and its final weights
+    assert together == {(r, b): v for (w, r, b), v in replay["losses"].items() if w == 2 and b > HOLD_AT}
     ends = [x["weights"] for x in lines if x.get("event") == "end"]
-    assert len(ends) == 2 and ends[0] == ends[1] == next(x["weights"] for x in reference if x.get("event") == "end")
+    assert len(ends) == 2 and ends[0] == ends[1] == {k: v.tolist() for k, v in replay["weights"].items()}
 
 
 def test_elastic_restarts_say_which_node_left_which_joined_and_the_world_size(drills):
@@ -273,18 +334,45 @@ def test_elastic_restarts_say_which_node_left_which_joined_and_the_world_size(dr
 
 
 def test_time_from_a_node_death_to_the_next_step(drills):
+    from kiln.report.goodput import read_account
+
     runs, _ = drills
     lines = _lines(runs["elastic"] / "steps.jsonl")
-    kill = next(x["time"] for x in lines if x.get("event") == "kill")
+    kill = next(x for x in lines if x.get("event") == "kill")
     step = min(x["time"] for x in lines if "loss" in x and x["world"] == 1)
     hold = next(x["time"] for x in lines if x.get("event") == "hold")
     back = min(x["time"] for x in lines if "loss" in x and x["time"] > hold)
-    print(f"node death -> next step: {step - kill:.1f} s; node back -> next step: {back - hold:.1f} s")
+    launches = read_account(runs["elastic"] / "ckpt.goodput.json")
+    recovery = launches[1]["seconds"]["recovery"]
+    print(
+        f"node death -> next step: {step - kill['time']:.1f} s (goodput account: recovery {recovery:.1f} s); "
+        f"node back -> next step: {back - hold:.1f} s"
+    )
     # ~1 s for the worker left to fail and exit, the dead node's keep-alives expiring (3 s after its
     # last), a 2 s last call, then a fresh worker (imports, the Trainer, the checkpoint): 7-9 s
     # on two quiet cores, more under load; torch's rendezvous defaults alone take 45 s
-    assert step - kill < 40
+    assert step - kill["time"] < 40
     assert back - hold < 60
+    # The goodput account: a launch per world size, the steps the death lost (computed past the
+    # checkpoint at batch 4, redone at world size 1), none at the node's return (the agent's SIGTERM:
+    # a checkpoint of the batch it stopped at)
+    assert [(x["world_size"], x["first_step"], x["last_step"], x["lost_steps"]) for x in launches] == [
+        (2, 0, KILL_AT, KILL_AT - 4),
+        (1, 4, HOLD_AT, 0),
+        (2, HOLD_AT, DURATION, 0),
+    ]
+    assert [x["seconds"]["recovery"] > 0 for x in launches] == [False, True, True]
+    # Its recovery runs from the failed launch's last record to the end of the first step at world
+    # size 1 (the worker logs that step's time at batch_end, just before: 0.15 s for the marks'
+    # distance on a loaded machine). The last record is batch 5's, written just before the kill when
+    # rank 0 was on the node that died; else rank 0 wrote it at its exit, once its collective with
+    # the dead node had failed, within the drill's death-to-step time: the account then counts that
+    # wait as the failed launch's (lost) time, and its recovery is shorter by it.
+    assert abs(recovery - (step - launches[0]["end"])) < 0.15
+    if kill["rank"] == 0:
+        assert abs(recovery - (step - kill["time"])) < 0.15
+    else:
+        assert 0 < recovery < step - kill["time"]
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -2,12 +2,13 @@
 'node'. Every rank appends one JSON line per batch to OUT/steps.jsonl (one os.write each: a
 killed process leaves whole lines), with its node, rank, world size, batch, loss and time.
 
---kill-agent-at N (given to one node's launcher): on the first pass past batch N, the rank
-SIGKILLs its own `kiln run` (the node's agent dies; the parent-death signal takes the worker with it).
---load PATH: start from that checkpoint (the reference runs) instead of autoresuming.
+--kill-agent-at N (given to one node's launcher): on the first pass past batch N (before the next
+batch's fetch: batch N's goodput record is written), the rank SIGKILLs its own `kiln run` (the
+node's agent dies; the parent-death signal takes the worker with it).
 --hold-at N: while the world has one rank, wait at the end of batch N until a SIGTERM comes (the
 agent stopping the worker group to take a returning node in; at most 120 s), after a "hold" line
-that tells the test to start that node. The Trainer's preemption handler then checkpoints batch N."""
+that tells the test to start that node. The Trainer's preemption handler then checkpoints batch N.
+The goodput account (OUT/ckpt.goodput.json) is written at every step: the test reads its last records."""
 
 import argparse
 import json
@@ -19,13 +20,13 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.trainer.goodput import GoodputMonitor
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--kill-agent-at", type=int, default=None)
-parser.add_argument("--load", default=None)
 parser.add_argument("--hold-at", type=int, default=None)
-parser.add_argument("--duration", default="24ba")
+parser.add_argument("--duration", default="16ba")
 opts = parser.parse_args()
 
 ctx = kiln.launch_from_torch()
@@ -46,6 +47,11 @@ class Drill(kiln.Callback):
     def batch_end(self, state, logger):
         batch = state.timestamp.batch.value
         line(batch=batch, loss=state.loss.item(), time=time.time())
+        if ctx.world_size == 1 and batch == opts.hold_at:
+            hold(batch)
+
+    def before_dataloader(self, state, logger):
+        batch = state.timestamp.batch.value
         marker = os.path.join(opts.out, "killed")
         if (
             opts.kill_agent_at is not None
@@ -57,8 +63,6 @@ class Drill(kiln.Callback):
             line(event="kill", time=time.time())
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(60)  # the parent-death signal ends this process
-        if ctx.world_size == 1 and batch == opts.hold_at:
-            hold(batch)
 
 
 def hold(batch):
@@ -87,10 +91,10 @@ trainer = kiln.Trainer(
     callbacks=[Drill()],
     save_folder=os.path.join(opts.out, "ckpt"),
     save_interval="2ba",
-    load_path=opts.load,
-    autoresume=opts.load is None,
+    autoresume=True,
     seed=3,
     progress_bar=False,
+    goodput=GoodputMonitor(interval=0),
 )
 line(event="start", batch=trainer.state.timestamp.batch.value, time=time.time())
 trainer.fit()

@@ -8,6 +8,14 @@ heartbeat before the first quorum). LIFE 3 resumes from the checkpoint group 0 w
 alone until batch UNTIL. DIE_AT: SIGKILL this process in the middle of that step (after
 its forward, before its backward), a death with no cleanup at all.
 
+What a heal must carry, so that the test's replay, which derives it from the run's seed and the
+steps alone, sees a heal that skips any of it: the model drops out inputs (the torch RNG), every
+group reads its share through kiln's shuffling sampler (the data position and the sampler's seed)
+and the learning rate decays each batch (the scheduler). A restarted group (LIFE 2 and 3) is built
+with another seed, so its sampler's order and its RNG are the run's only when the heal (or the
+checkpoint) gives them back. Each group keeps a goodput account, written at every step (group 0's
+beside the save folder, the others' at ``DIR/g<GROUP>.goodput.json``).
+
 The run ends by a rule both groups compute from the quorums alone, so they stop at the same step:
 ``DUMP`` steps after the first step (past the death) on which both groups take part again, each
 group writes its model and optimizer state to ``DIR/final-g<GROUP>.pt``; group 1 then stops itself
@@ -29,18 +37,21 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.trainer.goodput import GoodputMonitor
 
 DUMP, ALONE = 3, 3
 GROUPS = int(os.environ.get("FT_GROUPS", "2"))  # 3: the kill-and-restart drill only, stopping at the dump
-SIZE = 512 if GROUPS == 2 else 576  # samples: 64 and 48 batches per group and epoch
+SIZE = 64 * GROUPS  # samples: 16 batches per group and epoch, so the drill crosses epochs
 group, lighthouse, folder, life = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 die_at = int(sys.argv[5]) if len(sys.argv) > 5 and life == 1 else -1
 until = int(sys.argv[5]) if len(sys.argv) > 5 and life == 3 else 1000
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(SIZE, 4), torch.randn(SIZE, 1))
-model = nn.Linear(4, 1)
+model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
+SEED = 0 if life == 1 else 100 + life  # the run's seed comes to a restarted group with its state
 
 
 def emit(record: dict) -> None:
@@ -87,7 +98,9 @@ class Drill(kiln.Callback):
             }
         )
         self.outage = self.outage or n < GROUPS
-        if self.together is None and self.outage and n == GROUPS:
+        # committed: a heal that failed (a transfer past its timeout on a loaded machine) leaves the
+        # returning group a step of its own in the quorum, which neither group commits
+        if self.together is None and self.outage and n == GROUPS and committed:
             self.together = t
         if self.together is not None and t == self.together + DUMP:
             self.dumped = t
@@ -101,26 +114,25 @@ class Drill(kiln.Callback):
             if self.alone >= ALONE:
                 state.stop_training()
         if n < GROUPS or self.dumped is not None:
-            time.sleep(0.05)  # a bounded number of steps while the test restarts or stops group 1
+            time.sleep(0.1)  # a bounded number of steps while the test restarts or stops group 1
 
 
-# Group 0 reads its share of a DataLoader through kiln's sampler (num_replica_groups x 1 shares);
-# the others, restarted ones among them, read lists of batches: a loader that can only skip by
-# fetching, so its position must come from a live group before the loop starts iterating it.
-if group == 0:
-    loader = torch.utils.data.DataLoader(data, batch_size=4)
-else:
-    loader = [(data.tensors[0][i : i + 4], data.tensors[1][i : i + 4]) for i in range(4 * group, SIZE, 4 * GROUPS)]
+# Each group reads its share of the data through kiln's sampler (num_replica_groups x 1 shares),
+# shuffled by the seed and the epoch.
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
 trainer = kiln.Trainer(
     model,
     train_dataloader=loader,
     criterion=nn.MSELoss(),
     optimizers=optimizer,
+    schedulers=scheduler,
+    step_schedulers_every_batch=True,
     max_duration=f"{until}ba",
     autoresume=life == 3,
     progress_bar=False,
-    seed=0,
+    seed=SEED,
     callbacks=[Drill()],
+    goodput=GoodputMonitor(interval=0),  # a record per step: the test reads the last one
     save_folder=str(folder / "checkpoints"),
     save_interval="1000ba",
     save_type="merged",
@@ -134,6 +146,8 @@ trainer = kiln.Trainer(
         "hostname": "127.0.0.1",
     },
 )
+if group != 0:  # a group that writes no checkpoints has no save folder to keep its account beside
+    trainer.goodput.path = folder / f"g{group}.goodput.json"
 emit({"event": "built", "g": group, "writes": trainer._saver is not None, "time": time.time()})
 if life == 1:
     (folder / f"ready-g{group}").touch()

@@ -130,7 +130,8 @@ def fold_failure(launches: list[dict[str, Any]], resume_step: int) -> bool:
 
     The lost steps are ``last_step - resume_step``: the steps the failed launch had recorded past
     the checkpoint the run went on from (so a damaged newest checkpoint skipped by autoresume
-    counts the steps since the older one)."""
+    counts the steps since the older one); a run that goes on from the failed launch's last recorded
+    step or later (a torchft replica group healed from a live group) lost none of its time."""
     if not launches or launches[-1].get("ended", True):
         return False
     failed = launches[-1]
@@ -139,6 +140,11 @@ def fold_failure(launches: list[dict[str, Any]], resume_step: int) -> bool:
     commit = next((c for c in reversed(failed.get("commits", [])) if c.get("step") == resume_step), None)
     if commit is not None:
         kept = {k: float(commit["seconds"].get(k, 0.0)) for k in SEGMENTS}
+    elif resume_step >= int(failed.get("last_step", resume_step)):
+        # the run goes on from past every step it recorded (a torchft group that heals from a live
+        # group, which kept the steps this one committed; a checkpoint newer than its last record):
+        # nothing it did is redone
+        kept = {k: float(seconds[k]) for k in SEGMENTS}
     else:  # the checkpoint came from an earlier launch: all it did after its first step is redone
         kept = {k: (seconds[k] if k in ("starting", "recovery") else 0.0) for k in SEGMENTS}
     kept["lost"] = max(0.0, wall - sum(kept.values()))
