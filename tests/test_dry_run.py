@@ -155,12 +155,20 @@ def test_a_pipeline_reports_each_stage_and_its_sends():
     ]
     first, last = report.ranks
     # two microbatches (the default: one per stage) of one sequence each. Stage 0 sends what stage 1
-    # takes: the fp32 hidden states, the rotary cos and sin (head size 128 / 8) and the bool causal
-    # mask, and receives the gradients of the floating ones; stage 1 receives and sends the same.
-    hidden, rotary, mask = SEQ * HIDDEN * 4, 2 * SEQ * (HIDDEN // 8) * 4, SEQ * SEQ
-    assert first.collectives["p2p"] == last.collectives["p2p"] == {"pp": 2 * (hidden + rotary + mask + hidden + rotary)}
-    assert first.calls["p2p"] == {"pp": 2 * (4 + 3)}
+    # takes: the fp32 hidden states alone (each stage computes its rotary embeddings, positions and
+    # causal mask itself: kiln.models.hf_stages), and receives their gradients; stage 1 the same.
+    # (Before, the rotary cos and sin and the bool mask crossed too: 2 * (4 + 3) sends.)
+    hidden = SEQ * HIDDEN * 4
+    assert first.collectives["p2p"] == last.collectives["p2p"] == {"pp": 2 * (hidden + hidden)}
+    assert first.calls["p2p"] == {"pp": 2 * (1 + 1)}
     assert first.collectives["broadcast"] == last.collectives["broadcast"] == {"pp": 4}  # the loss, from the last stage
+    # FSDP inside a stage keeps its gathered blocks across the microbatches (the default under a
+    # pipeline, as torchtitan's): each parameter is gathered once a step, as its gradient is
+    # reduce-scattered once; resharding after each forward gathers 3 times as much (a forward and a
+    # backward gather per microbatch, 2 microbatches: Hybrid(reshard_after_forward=True)).
+    for rank in report.ranks:
+        assert rank.collectives["all_gather"]["dp_shard"] == rank.collectives["reduce_scatter"]["dp_shard"]
+        assert rank.calls["all_gather"]["dp_shard"] == rank.calls["reduce_scatter"]["dp_shard"] == 2
 
 
 def test_mesh_dimension_names_the_dimensions_a_group_spans():

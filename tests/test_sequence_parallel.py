@@ -38,6 +38,8 @@ TOL = 1e-9
 VARIANTS = ["accum2", "clip"]
 TWO = ["llama_tp2", "moe_tp2", "llama_tp2_off"]
 FOUR = ["llama_fsdp2_tp2", "moe_fsdp2_tp2"]
+# a Hugging Face Llama in 4 stages (1F1B) and in 8 stages, 2 a rank (interleaved 1F1B), on 4 ranks
+PIPELINES = ["llama_pp4_1f1b", "llama_pp4_interleaved"]
 SP_CASES = [c for c in TWO + FOUR if not c.endswith("_off")]
 SEQ = {"llama": 16, "moe": 8}
 VOCAB = {"llama": 256, "moe": 96}
@@ -51,7 +53,7 @@ def _launch(tmp_path_factory, nproc, cases):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return {**_launch(tmp_path_factory, 2, TWO), **_launch(tmp_path_factory, 4, FOUR)}
+    return {**_launch(tmp_path_factory, 2, TWO), **_launch(tmp_path_factory, 4, FOUR + PIPELINES)}
 
 
 @pytest.mark.world_size(4)
@@ -62,6 +64,16 @@ def test_sequence_parallel_parity(results, case, variant):
     assert not r["grad_missing"] and not r["weight_missing"], r
     for key in ("loss_abs", "grad_abs", "weight_abs", *(["norm_abs"] if variant == "clip" else [])):
         assert r[key] < TOL, f"{case}/{variant}: {key} = {r[key]:.3g} (losses {r['losses']} vs {r['ref_losses']})"
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("case", PIPELINES)
+def test_a_hugging_face_decoder_in_4_and_8_stages_is_one_process(results, case):
+    # accumulation over 2 micro-steps and clipping at once, 4 pipeline microbatches each
+    r = results[case]["accum2_clip"]
+    assert not r["grad_missing"] and not r["weight_missing"], r
+    for key in ("loss_abs", "grad_abs", "weight_abs", "norm_abs"):
+        assert r[key] < TOL, f"{case}: {key} = {r[key]:.3g} (losses {r['losses']} vs {r['ref_losses']})"
 
 
 @pytest.mark.world_size(4)

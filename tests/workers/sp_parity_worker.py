@@ -6,7 +6,8 @@ global batch; the case trains the same model with kiln's Engine (the model's own
 reading its data-parallel share of each micro-step, and compares the per-step losses, the first
 step's gradients (DTensor shards gathered), the weights after STEPS steps and, when clipping, each
 step's global gradient norm. Variants: gradient accumulation over 2 micro-steps, and clipping
-(CLIP is below every step's norm, so every step clips).
+(CLIP is below every step's norm, so every step clips); the pipelines (a Hugging Face Llama cut
+into 4 stages, 1F1B, and into 8, interleaved, on 4 ranks) run both at once.
 
 The first forward of every case also records what runs where (forward hooks and a dispatch mode):
 the placements of the row-wise projections' outputs (a reduce-scatter leaves ``Shard(1)``), of the
@@ -25,16 +26,24 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kiln
-from kiln.parallel import Hybrid, TensorParallel, full_model_state_dict
+from kiln.parallel import Hybrid, Pipeline, TensorParallel, full_model_state_dict
 
 LR, CLIP, STEPS, GLOBAL_BATCH = 0.5, 0.05, 3, 8
 # (gradient_accumulation, clip_grad_norm); accumulation covers the plain step too
-VARIANTS = {"accum2": (2, None), "clip": (1, CLIP)}
+VARIANTS = {"accum2": (2, None), "clip": (1, CLIP), "accum2_clip": (2, CLIP)}
 # positions whose label is IGNORE_INDEX: the first IGNORED of every sequence, so every micro-batch
 # counts as many tokens and the mean of the micro-batch means is the global token mean
 IGNORED = 2
 
 LLAMA = dict(num_hidden_layers=2)
+# the pipelines' Llamas: a layer a stage (4 stages), two stages a rank (8 stages, interleaved)
+LAYERS = {"llama": 2, "llama4": 4, "llama8": 8}
+
+
+def _split(layers):
+    return [f"model.model.layers.{i}" for i in range(1, layers)]
+
+
 MOE = dict(
     vocab_size=96,  # no other dimension of the model is 96 (nor 48)
     dim=32,
@@ -55,27 +64,32 @@ CASES = {
     "moe_tp2": ("moe", lambda: TensorParallel()),
     "llama_fsdp2_tp2": ("llama", lambda: Hybrid(dp_shard=2, tp=2)),
     "moe_fsdp2_tp2": ("moe", lambda: Hybrid(dp_shard=2, tp=2)),
+    # a Hugging Face decoder cut into 4 and 8 stages (its rotary embeddings computed in every stage,
+    # kiln.models.hf_stages); 4 microbatches of each micro-step
+    "llama_pp4_1f1b": ("llama4", lambda: Pipeline(_split(4), schedule="1f1b", microbatches=4)),
+    "llama_pp4_interleaved": ("llama8", lambda: Pipeline(_split(8), schedule="interleaved1f1b", microbatches=4)),
 }
+PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved"}
 ROWWISE = ("o_proj", "down_proj", "wo", "w2")
 NORMS = ("input_layernorm", "post_attention_layernorm", "attention_norm", "ffn_norm")
 
 
 def make_model(family):
-    if family == "llama":
+    if family in LAYERS:
         from hf_common import make_model as make_llama
 
-        return make_llama(**LLAMA)
+        return make_llama(num_hidden_layers=LAYERS[family])
     torch.manual_seed(0)
     return kiln.models.MoELlama(**MOE).double()
 
 
 def vocab(family):
-    return 256 if family == "llama" else MOE["vocab_size"]
+    return MOE["vocab_size"] if family == "moe" else 256
 
 
 def make_batches(family):
     """STEPS global batches of {"input_ids", "labels"}, IGNORED positions of each label row masked."""
-    if family == "llama":
+    if family in LAYERS:
         from hf_common import batches
 
         out = batches(STEPS, GLOBAL_BATCH)
@@ -110,7 +124,7 @@ def reference(family, clip):
     return losses, grads, _clone(model.state_dict()), norms
 
 
-def full_grads(model):
+def full_grads(model, pipeline=False):
     from torch.distributed.tensor import DTensor
 
     out = {}
@@ -118,6 +132,10 @@ def full_grads(model):
         if p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             out[name] = g.detach().cpu().clone()
+    if pipeline:  # each rank holds its stages' gradients: the whole model's, from every rank
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, out)
+        out = {k: v for part in parts for k, v in part.items()}
     return out
 
 
@@ -190,7 +208,8 @@ def run_case(name, accum, clip, ref):
     model = make_model(family)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine = kiln.Engine(model, opt, model.loss, strategy=spec(), gradient_accumulation=accum, clip_grad_norm=clip)
-    layout = Layout(engine.module)  # after the styles' own hooks: what leaves each module
+    # after the styles' own hooks: what leaves each module (a pipeline traces its model: no hooks)
+    layout = Layout(engine.module) if name not in PIPELINES else None
     rank, size = engine.data_parallel_rank, engine.data_parallel_size
     losses, norms, grads, seen = [], [], None, {}
     for step, batch in enumerate(make_batches(family)):
@@ -198,7 +217,7 @@ def run_case(name, accum, clip, ref):
         for m in range(accum):
             micro = {k: v.chunk(accum)[m].chunk(size)[rank] for k, v in batch.items()}
             engine.zero_grad()
-            if step == 0 and m == 0:
+            if step == 0 and m == 0 and name not in PIPELINES:
                 with LargestVocabTensor(vocab(family)) as mode:
                     out = engine(micro)
                     loss = engine.criterion(out, micro)
@@ -220,7 +239,7 @@ def run_case(name, accum, clip, ref):
                 engine.backward(loss)
             step_loss += loss.item() / accum
             if step == 0 and m == accum - 1:
-                grads = full_grads(engine.module)
+                grads = full_grads(engine.module, pipeline=name in PIPELINES)
             engine.step()
         t = torch.tensor([step_loss], dtype=torch.float64)
         dist.all_reduce(t)
@@ -241,12 +260,13 @@ def run_case(name, accum, clip, ref):
 def main():
     out, cases = sys.argv[1], sys.argv[2:]
     ctx = kiln.launch_from_torch(seed=0)
-    variants = os.environ.get("SP_PARITY_VARIANTS", ",".join(VARIANTS)).split(",")
+    variants = os.environ.get("SP_PARITY_VARIANTS", "accum2,clip").split(",")
     refs, results = {}, {}
     for name in cases:
         family = CASES[name][0]
         results[name] = {}
-        for variant in variants:
+        # a pipeline runs both at once: its microbatches are a third way of cutting the batch
+        for variant in ["accum2_clip"] if name in PIPELINES else variants:
             accum, clip = VARIANTS[variant]
             if (family, clip) not in refs:
                 refs[family, clip] = reference(family, clip)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from kiln.core.batch import IGNORE_INDEX
 from kiln.core.model import Model
+from kiln.models.hf_stages import self_contained_layers
 from kiln.models.tp_plan import (
     full_logits,
     huggingface_sequence_parallel_plan,
@@ -285,6 +287,13 @@ class HuggingFaceModel(Model):
         if isinstance(batch, Mapping):
             return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
         return batch
+
+    def pipeline_trace(self, batch: Any = None) -> AbstractContextManager[None]:
+        """Entered around a pipeline's trace of ``batch`` (the stages' inputs): each decoder layer
+        computes its own rotary embeddings (and, for a batch without ``attention_mask`` and
+        ``position_ids``, its own positions and causal mask), so the model can be cut into any
+        number of stages and run by every schedule (:mod:`kiln.models.hf_stages`)."""
+        return self_contained_layers(self.model, batch if isinstance(batch, Mapping) else None)
 
     def loss(self, outputs: Any, batch: Any) -> torch.Tensor:
         """The output's ``loss``; else (a model that computes none, or a pipeline, which runs the

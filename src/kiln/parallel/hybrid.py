@@ -65,7 +65,14 @@ class Hybrid(PipelineSteps):
         sequence_parallel / loss_parallel: see :class:`kiln.parallel.TensorParallel`; on by default
             with ``tp > 1`` for the models kiln has a plan for, off with ``pp > 1`` or ``cp > 1``.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
-        wrap / reshard_after_forward / cpu_offload: see :class:`kiln.parallel.FSDP`.
+        wrap / cpu_offload: see :class:`kiln.parallel.FSDP`.
+        reshard_after_forward: free each block's gathered parameters after its forward (True), or
+            keep them until its backward (False). None (the default): True without a pipeline;
+            with ``pp > 1`` False, as torchtitan does: a stage gathers its blocks once per step
+            instead of once per microbatch (the all-gather bytes of ``microbatches`` forwards and
+            backwards become those of one), at the cost of holding the stage's parameters
+            unsharded from its first forward to its last backward (its blocks' full size, where
+            resharding holds one block at a time). The zero-bubble schedules always keep them.
 
     ``data_parallel_rank`` and ``data_parallel_size`` say which batch this rank reads (ranks of one
     tensor-parallel group and of one pipeline read the same one).
@@ -95,7 +102,7 @@ class Hybrid(PipelineSteps):
         microbatches: int | None = None,
         example_input: Any = None,
         wrap: WrapSpec = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         cpu_offload: bool = False,
         sequence_parallel: bool | None = None,
         loss_parallel: bool | None = None,
@@ -127,6 +134,11 @@ class Hybrid(PipelineSteps):
         self.pipeline: PipelineRuntime | None = None
         self.data_parallel_rank, self.data_parallel_size = 0, 1
         self.context_parallel: ContextParallel | None = None
+
+    def _reshard_after_forward(self, pp: int) -> bool:
+        if pp > 1 and self.schedule in SPLIT_BACKWARD:
+            return False  # see parallelize_plan
+        return pp == 1 if self.reshard_after_forward is None else bool(self.reshard_after_forward)
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # Every user error is raised here, before the mesh exists (no collective has run).
@@ -165,7 +177,7 @@ class Hybrid(PipelineSteps):
             options=self.parallelize_options,
             blocks=blocks,
             tp_plan=tp_plan,
-            reshard_after_forward=self.reshard_after_forward and not (dims.pp > 1 and self.schedule in SPLIT_BACKWARD),
+            reshard_after_forward=self._reshard_after_forward(dims.pp),
             cpu_offload=self.cpu_offload,
         )
         self.resolved_dims = dims

@@ -206,10 +206,29 @@ def _skip_connection(pipe: Any) -> str | None:
                 f"stage {stages[source]} passes a {str(value.dtype).replace('torch.', '')} tensor of shape "
                 f"{list(value.shape)} to stages {consumers} (a skip connection, such as a transformer's position "
                 "embeddings computed once for every layer), and torch.distributed.pipelining cannot run the "
-                "backward of a skip connection; cut the model into 2 stages, or where each stage passes its "
-                "outputs to the next stage only"
+                "backward of a skip connection; cut the model where each stage passes its outputs to the next "
+                "stage only, or have each stage compute the value itself (a model's pipeline_trace(), as "
+                "kiln.models.HuggingFaceModel does for its rotary embeddings)"
             )
     return None
+
+
+def _non_persistent_buffers(model: nn.Module) -> set[str]:
+    """The names of ``model``'s buffers that its state dict leaves out (rotary frequencies, ...)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+
+
+def _keep_unsaved(stage: nn.Module, names: set[str]) -> None:
+    # The trace registers every buffer of a stage as persistent; the ones the model leaves out of
+    # its state dict stay out of the stage's (checkpoints of a pipeline hold the keys of one process).
+    for prefix, module in stage.named_modules():
+        for name in module._buffers:
+            if (f"{prefix}.{name}" if prefix else name) in names:
+                module._non_persistent_buffers_set.add(name)
 
 
 class PipelineRuntime:
@@ -274,7 +293,14 @@ class PipelineRuntime:
 
         args = self._stage_inputs(args)
         mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
-        with self.trace_context(self.model) if self.trace_context is not None else nullcontext():
+        # the model's own preparation (a Hugging Face decoder's rotary embeddings computed in every
+        # layer, kiln.models.hf_stages), then the strategy's (Hybrid's tensor parallelism: tp_trace)
+        model_trace = getattr(self.model, "pipeline_trace", None)
+        with (
+            model_trace(*mb_args[0][:1]) if model_trace is not None else nullcontext(),
+            self.trace_context(self.model) if self.trace_context is not None else nullcontext(),
+        ):
+            not_saved = _non_persistent_buffers(self.model)
             pipe = pipeline(
                 self.model,
                 mb_args=mb_args[0],
@@ -294,6 +320,7 @@ class PipelineRuntime:
         stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
         del pipe  # lets the other ranks' stage modules go
         for stage, stage_dtypes in zip(stages, dtypes, strict=True):
+            _keep_unsaved(stage.submod, not_saved)
             if self.schedule_name in V_SHAPED:
                 skip_same_rank_warmup(stage)
             if self.transform is not None:

@@ -54,13 +54,14 @@ def full_model_state_dict(model: nn.Module | Engine, *, extra_state: bool = Fals
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not isinstance(model, nn.Module):  # a kiln Engine: its strategy knows the layout
-        state = model.strategy.state_dict(model.model, None, full=True)["model"]
-        weights, extras = _split(state)
+        module = model.model
+        weights, extras = _split(model.strategy.state_dict(module, None, full=True)["model"])
     else:
+        module = model
         weights, extras = _split(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
-        gather = getattr(model, "gather_full_state_dict", None)
-        if gather is not None:  # a pipeline stage holds only its layers: collect every stage's
-            weights = gather(weights)
+    gather = getattr(module, "gather_full_state_dict", None)
+    if gather is not None:  # a pipeline stage holds only its layers: collect every stage's
+        weights = gather(weights)
     weights = {k: _plain(v) for k, v in weights.items()}
     return {**weights, **extras} if extra_state else weights
 
