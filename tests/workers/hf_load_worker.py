@@ -1,15 +1,27 @@
 """One rank of tests/test_hf_load.py: ``HuggingFaceModel.from_pretrained`` under a strategy equals
 transformers' own ``from_pretrained`` to the bit.
 
-    python hf_load_worker.py SAVE_DIR STRATEGY [memory | MODEL,MODEL...]
+    python hf_load_worker.py SAVE_DIR CASE [CASE ...]
 
-SAVE_DIR holds one folder per tiny model (``llama``, ``qwen2``, ``mixtral``, ``llama_bf16``),
-written by the test with ``save_pretrained(..., max_shard_size="20KB")`` (several files and an
-index). For each, this rank builds a kiln Engine under STRATEGY (single, ddp, zero3, tp, pp) on
-``HuggingFaceModel.from_pretrained(folder)``, gathers the whole state (parameters, persistent and
-non-persistent buffers) and compares it with ``AutoModelForCausalLM.from_pretrained(folder)``:
-torch.equal, same dtype. ``memory``: load ``SAVE_DIR/big`` once under the strategy and print this
-rank's resident memory growth (VmHWM and RssAnon) against the model's size.
+A CASE is ``STRATEGY`` (every model) or ``STRATEGY:MODEL+MODEL``; the cases of one launch run one
+after the other in the same ranks (a launch costs more than a tiny model's load). SAVE_DIR holds
+one folder per tiny model (``llama``, ``qwen2``, ``mixtral``, ``llama_bf16``), written by the test
+with ``save_pretrained(..., max_shard_size="20KB")`` (several files and an index). For each, this
+rank builds a kiln Engine under STRATEGY on ``HuggingFaceModel.from_pretrained(folder)``, gathers
+the whole state (parameters, persistent and non-persistent buffers) and compares it with
+``AutoModelForCausalLM.from_pretrained(folder)``: torch.equal, same dtype. STRATEGY is one of:
+
+* ``single``, ``ddp``, ``zero3``: kiln's strategy of that name;
+* ``tp``: ``TensorParallel()``, ``hybrid``: ``Hybrid(dp_shard=2, tp=2)`` (4 ranks); both with
+  kiln's default sequence and loss parallel plans for the Llama family (checked: the norms are
+  DTensors on the ``tp`` mesh, and an untied LM head is split over the vocabulary there), and for
+  Mixtral, whose fused experts' styles kiln does not translate, a plan of its attention projections;
+* ``ep``: ``Hybrid(dp_shard=2, ep=2)``, which a transformers Mixtral must refuse in one line before
+  any collective (kiln's expert parallelism splits kiln.models.MoE layers; transformers' experts
+  are none): prints ``REFUSED``;
+* ``pp``: a 2-stage pipeline;
+* ``memory``: load ``SAVE_DIR/big`` once under zero3 and print this rank's resident memory growth
+  (VmHWM and RssAnon) against the model's size.
 """
 
 from __future__ import annotations
@@ -25,60 +37,107 @@ from transformers import AutoModelForCausalLM
 import kiln
 from kiln.models import HuggingFaceModel
 
-FOLDER, STRATEGY = Path(sys.argv[1]), sys.argv[2]
+FOLDER = Path(sys.argv[1])
 MODELS = ("llama", "qwen2", "mixtral", "llama_bf16")
+EXAMPLE = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+
+
+def mixtral_plan() -> dict[str, str]:
+    attention = "model.model.layers.*.self_attn"  # kiln does not translate the packed experts' styles
+    return {f"{attention}.{p}_proj": "colwise" for p in "qkv"} | {f"{attention}.o_proj": "rowwise"}
 
 
 def strategy(name: str, model: HuggingFaceModel):
+    mixtral = model.model.config.model_type == "mixtral"
     if name == "pp":  # two stages: the first half of the layers and the rest
         layers = model.model.config.num_hidden_layers
         return kiln.parallel.Pipeline([f"model.model.layers.{layers // 2}"], example_input=EXAMPLE, microbatches=2)
     if name == "tp":
-        if model.model.config.model_type == "mixtral":  # kiln does not translate its packed experts' style
-            attention = "model.model.layers.*.self_attn"
-            plan = {f"{attention}.{p}_proj": "colwise" for p in "qkv"} | {f"{attention}.o_proj": "rowwise"}
-            return kiln.parallel.TensorParallel(plan=plan)
-        return kiln.parallel.TensorParallel()
+        return kiln.parallel.TensorParallel(plan=mixtral_plan() if mixtral else None)
+    if name == "hybrid":
+        return kiln.parallel.Hybrid(dp_shard=2, tp=2, tp_plan=mixtral_plan() if mixtral else None)
+    if name == "ep":
+        return kiln.parallel.Hybrid(dp_shard=2, ep=2)
     return name
 
 
-EXAMPLE = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
-
-
-def full_state(engine: kiln.Engine) -> dict[str, torch.Tensor]:
+def full_state(engine: kiln.Engine, name: str) -> dict[str, torch.Tensor]:
     """Every parameter and buffer (non-persistent ones too) of the model, whole, by name."""
     from torch.distributed.tensor import DTensor
 
-    module = engine.strategy.unwrap(engine.model)
-    found: dict[str, torch.Tensor] = {}
-    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-    if STRATEGY == "pp":  # each stage's tensors, gathered whole by the pipeline's own state dict
+    if name == "pp":  # each stage's tensors, gathered whole by the pipeline's own state dict
         from kiln.parallel.pipelining.runtime import full_pipeline_state_dict
 
         state = full_pipeline_state_dict(engine.model)
         return {k.removeprefix("model."): v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    for name, value in named:
+    module = engine.strategy.unwrap(engine.model)
+    found: dict[str, torch.Tensor] = {}
+    for key, value in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         value = value.full_tensor() if isinstance(value, DTensor) else value
-        found[name.removeprefix("model.")] = value.detach().cpu()
+        found[key.removeprefix("model.")] = value.detach().cpu()
     return found
 
 
-def compare(name: str) -> None:
+def on_tp(tensor: torch.Tensor, shard: int | None) -> bool:
+    """Whether ``tensor`` is a DTensor on a mesh with a ``tp`` dimension, sharded there on
+    dimension ``shard`` (None: any placement)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
+        return False
+    placement = tensor.placements[tensor.device_mesh.mesh_dim_names.index("tp")]
+    return shard is None or (isinstance(placement, Shard) and placement.dim == shard)
+
+
+def check_sequence_parallel(engine: kiln.Engine, model: str) -> None:
+    """The Llama family ran kiln's default sequence (and, untied, loss) parallel plan."""
+    hf = engine.strategy.unwrap(engine.model).model
+    if model == "mixtral":
+        return
+    assert on_tp(hf.model.layers[0].input_layernorm.weight, None), f"{model}: no sequence parallelism"
+    tied = bool(hf.config.tie_word_embeddings)
+    assert on_tp(hf.lm_head.weight, 0) != tied, f"{model}: loss parallel is {'on' if tied else 'off'}"
+
+
+def shared_names(module: torch.nn.Module, prefix: str = "") -> list[list[str]]:
+    """The names (``prefix`` dropped) of each parameter that several modules hold: one object."""
+    names: dict[int, list[str]] = {}
+    for key, value in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(value), []).append(key.removeprefix(prefix))
+    return sorted(group for group in names.values() if len(group) > 1)
+
+
+def refused(name: str, case: str) -> None:
+    model = HuggingFaceModel.from_pretrained(str(FOLDER / name))
+    try:
+        kiln.Engine(model, strategy=strategy(case, model))
+    except ValueError as exc:
+        print(f"REFUSED {name} {case} {exc}", flush=True)
+        return
+    raise AssertionError(f"{name} under {case} loaded; expected a refusal")
+
+
+def compare(name: str, case: str) -> None:
     folder = FOLDER / name
     model = HuggingFaceModel.from_pretrained(str(folder))
     assert all(p.is_meta for p in model.parameters()), "from_pretrained must build on the meta device"
-    engine = kiln.Engine(model, strategy=strategy(STRATEGY, model))
-    got = full_state(engine)
+    engine = kiln.Engine(model, strategy=strategy(case, model))
+    if case in ("tp", "hybrid"):
+        check_sequence_parallel(engine, name)
+    got = full_state(engine, case)
     want_model = AutoModelForCausalLM.from_pretrained(str(folder))
+    if case != "pp":  # tied weights stay one parameter (the stages of a pipeline are traced copies)
+        ties = shared_names(engine.strategy.unwrap(engine.model), prefix="model.")
+        assert ties == shared_names(want_model), f"{name}: tied {ties}, transformers {shared_names(want_model)}"
     want = {n: t for n, t in [*want_model.named_parameters(remove_duplicate=False), *want_model.named_buffers()]}
-    if STRATEGY == "pp":  # the stages hold the persistent state only
+    if case == "pp":  # the stages hold the persistent state only
         want = {k: v for k, v in want_model.state_dict().items()}
     missing = sorted(set(want) - set(got))
     assert not missing, f"{name}: not in the loaded model: {missing}"
     for key, value in want.items():
         assert got[key].dtype == value.dtype, f"{name}: {key} is {got[key].dtype}, transformers {value.dtype}"
         assert torch.equal(got[key], value), f"{name}: {key} differs from transformers' from_pretrained"
-    print(f"OK {name} {STRATEGY} {len(want)} tensors", flush=True)
+    print(f"OK {name} {case} {len(want)} tensors", flush=True)
 
 
 def rss() -> dict[str, int]:
@@ -92,14 +151,14 @@ def rss() -> dict[str, int]:
 
 def memory() -> None:
     # a first load of a tiny model of the same class imports and allocates what any load does
-    kiln.Engine(HuggingFaceModel.from_pretrained(str(FOLDER / "warm")), strategy=STRATEGY)
+    kiln.Engine(HuggingFaceModel.from_pretrained(str(FOLDER / "warm")), strategy="zero3")
     folder = FOLDER / "big"
     model = HuggingFaceModel.from_pretrained(str(folder))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
     before = rss()
-    engine = kiln.Engine(model, strategy=STRATEGY)
+    engine = kiln.Engine(model, strategy="zero3")
     after = rss()
     local = sum(
         p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
@@ -117,13 +176,13 @@ def memory() -> None:
 
 def main() -> None:
     kiln.launch_from_torch(seed=0)
-    if len(sys.argv) > 3 and sys.argv[3] == "memory":
-        memory()
-        return
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else MODELS
-    for name in names:
-        if (FOLDER / name).is_dir():
-            compare(name)
+    for case in sys.argv[2:]:
+        name, _, models = case.partition(":")
+        if name == "memory":
+            memory()
+            continue
+        for model in models.split("+") if models else MODELS:
+            (refused if name == "ep" else compare)(model, name)
 
 
 if __name__ == "__main__":

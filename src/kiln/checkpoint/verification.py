@@ -51,11 +51,14 @@ def checksum_file(path: Any, algorithm: str = CHECKSUM, keep: bool = False) -> t
         return str(digest.hexdigest()), None
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        if size:
-            # Mapped, not read: the hash reads the page cache where it is, with no copy into a
-            # buffer first (that copy cost as much as the hash itself).
-            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mapped:
-                digest.update(mapped)  # the hash releases the GIL for the whole buffer
+        # Mapped, not read: the hash reads the page cache where it is, with no copy into a buffer
+        # first (that copy cost as much as the hash itself). One window at a time, unmapped before
+        # the next: a whole file's mapping counts every page it touched in the process's resident
+        # memory until it is unmapped (1.27 GB for a DCP file of that size, the largest part of
+        # `kiln checkpoint export --hf`'s peak), a window only its _CHUNK, at the same speed.
+        for start in range(0, size, _CHUNK):  # _CHUNK is a multiple of mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(f.fileno(), min(_CHUNK, size - start), offset=start, access=mmap.ACCESS_READ) as window:
+                digest.update(window)  # the hash releases the GIL for the whole window
     return str(digest.hexdigest()), None
 
 

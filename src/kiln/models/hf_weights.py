@@ -357,8 +357,24 @@ def _tensors(hf_model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
 
 def materialize_meta(module: nn.Module, device: torch.device | str) -> None:
     """Give every meta tensor of ``module`` (parameters, DTensor shards, buffers) empty storage on
-    ``device``; others stay as they are. A sharded parameter gets storage for its shard only."""
+    ``device``; others stay as they are. A sharded parameter gets storage for its shard only. A
+    tensor that several modules hold (tied embeddings: ``lm_head.weight is embed_tokens.weight``)
+    stays one tensor, held by all of them, as after transformers' ``from_pretrained``."""
+    holders: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, value in table.items():
+                if value is not None and value.is_meta:
+                    holders.setdefault(id(value), []).append((table, name))
+    # Module._apply cannot move a meta tensor's data in place (meta and CPU storage are not
+    # interchangeable), so it makes a new Parameter for each module it visits: a tied weight
+    # came out as two, loaded equal but trained apart. Every holder gets the first holder's
+    # (in module order: the one FSDP2, whose _apply re-reads its parameters, keeps).
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for places in holders.values():
+        first_table, first_name = places[0]
+        for table, name in places[1:]:
+            table[name] = first_table[first_name]
 
 
 def load_pretrained_weights(hf_model: nn.Module, folder: str | os.PathLike, device: torch.device | str) -> list[str]:
