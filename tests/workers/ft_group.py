@@ -20,8 +20,8 @@ The run ends by a rule both groups compute from the quorums alone, so they stop 
 ``DUMP`` steps after the first step (past the death) on which both groups take part again, each
 group writes its model and optimizer state to ``DIR/final-g<GROUP>.pt``; group 1 then stops itself
 with SIGSTOP in the middle of the next step (a hung group: alive, holding its sockets, answering
-nothing), and group 0 goes on until it has committed ``ALONE`` steps without it, and stops. A group stepping without the other sleeps a little per step, so
-the outage spans a bounded number of steps.
+nothing), and group 0 goes on until it has committed ``ALONE`` steps without it, and stops. A group
+stepping without the other sleeps a little per step, so the outage spans a bounded number of steps.
 """
 
 from __future__ import annotations
