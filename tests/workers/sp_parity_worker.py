@@ -68,8 +68,13 @@ CASES = {
     # kiln.models.hf_stages); 4 microbatches of each micro-step
     "llama_pp4_1f1b": ("llama4", lambda: Pipeline(_split(4), schedule="1f1b", microbatches=4)),
     "llama_pp4_interleaved": ("llama8", lambda: Pipeline(_split(8), schedule="interleaved1f1b", microbatches=4)),
+    # 8 ranks: 2 stages x tensor parallel 2 x FSDP 2 (tests/test_sequence_parallel.py's 8-rank launch)
+    "llama_pp2_tp2_fsdp2": (
+        "llama4",
+        lambda: Hybrid(pp=2, tp=2, dp_shard=2, split_points=_split(4)[1:2], microbatches=2),
+    ),
 }
-PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved"}
+PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved", "llama_pp2_tp2_fsdp2"}
 ROWWISE = ("o_proj", "down_proj", "wo", "w2")
 NORMS = ("input_layernorm", "post_attention_layernorm", "attention_norm", "ffn_norm")
 
