@@ -10,8 +10,6 @@ checkpoint into several safetensors files with an index (kiln.checkpoint.hf_expo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from distributed import base_env, fork_run, free_port  # noqa: E402
+from distributed import fork_run  # noqa: E402
 from kiln.cli.main import main as kiln_main  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "hf_export_worker.py"
@@ -46,13 +44,7 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def _run(pretrained: Path, out: Path, strategy: str, nproc: int) -> None:
-    if nproc == 1:
-        env = {**base_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-        env["MASTER_PORT"] = str(free_port())
-        argv = [sys.executable, str(WORKER), str(pretrained), str(out), strategy]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
-    else:
-        result = fork_run(WORKER, str(pretrained), str(out), strategy, nproc=nproc, timeout=240)
+    result = fork_run(WORKER, str(pretrained), str(out), strategy, nproc=nproc, timeout=240)
     assert result.returncode == 0, result.stderr[-5000:]
 
 
