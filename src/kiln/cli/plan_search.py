@@ -2,11 +2,12 @@
 
     kiln plan --search -f run.yaml --world-size 256 --device h100 --memory 80GiB [--global-batch 512]
     kiln plan --search --model mypkg.models:make_llama --world-size 8 --seq-len 8192 --global-batch 16 --json
-    kiln plan --search -f run.yaml --world-size 8 --confirm      # then dry-runs the first plan
+    kiln plan --search -f run.yaml --world-size 8 --confirm [N]  # the first N plans dry-run, then ranked
 
 The model is built on the meta device (no weights) and priced by :mod:`kiln.planning.search`, whose
-constants are :mod:`kiln.cost.devices`'s. ``--confirm`` runs ``kiln plan --dry-run`` of the run
-file with the first plan's overrides (:mod:`kiln.planning.dry_run`).
+constants are :mod:`kiln.cost.devices`'s. ``--confirm`` dry-runs the first plans (3, or N) with the
+run file and each plan's overrides, and ranks them by what the dry run measured
+(:mod:`kiln.planning.confirm`); the table's ``by`` column says which plans were measured.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", "--seq_len", dest="seq_len", type=int, default=None,
                    help="with --search: tokens per sequence (default: the run file's first microbatch)")  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="with --search: plans to print (default 10)")
-    p.add_argument("--confirm", action="store_true", help="with --search -f: dry-run the first plan")
+    p.add_argument("--confirm", nargs="?", type=int, const=3, default=None, metavar="N",
+                   help="with --search -f: dry-run the first N plans (default 3) and rank them by what "
+                   "the dry runs measure")  # fmt: skip
 
 
 def _fail(message: str) -> int:
@@ -56,9 +59,11 @@ def search_command(args: argparse.Namespace, extra: list[str]) -> int:
     if extra and args.file is None:
         return _fail(f"unrecognized arguments: {' '.join(extra)} (dotted overrides need -f)")
     if args.dry_run:
-        return _fail("--search and --dry-run are two commands: --search --confirm dry-runs the first plan")
-    if args.confirm and args.file is None:
-        return _fail("--confirm dry-runs a run file with the first plan: pass -f run.yaml")
+        return _fail("--search and --dry-run are two commands: --search --confirm dry-runs the first plans")
+    if args.confirm is not None and args.file is None:
+        return _fail("--confirm dry-runs a run file with the first plans: pass -f run.yaml")
+    if args.confirm is not None and args.confirm < 1:
+        return _fail(f"--confirm={args.confirm} must be >= 1")
     if args.top < 1:
         return _fail(f"--top={args.top} must be >= 1")
     if os.getcwd() not in sys.path:  # components resolve from the working directory, as kiln train's do
@@ -105,19 +110,14 @@ def search_command(args: argparse.Namespace, extra: list[str]) -> int:
             precision=precision or "fp32",
             optimizer_factor=factor,
         )
+        if args.confirm is not None and result.plans:
+            from kiln.planning.confirm import confirm, dry_run_measure
+
+            print(f"dry-running the first {args.confirm} plans ...", file=sys.stderr)
+            confirm(result, dry_run_measure(args.file, extra, world), top=args.confirm)
     except (ValueError, TypeError, AttributeError) as exc:  # ConfigError is a ValueError
         return _fail(str(exc))
-    print(json.dumps(result.to_dict(args.top)) if args.json else format_plans(result, args.top))
-    if args.confirm and result.plans:
-        from kiln.cli.plan_dry_run import dry_run_command
-        from kiln.config.args import load_trainer_args
-
-        print(f"dry run of the first plan ({result.plans[0].label}):", file=sys.stderr)
-        try:
-            confirmed = load_trainer_args(args.file, [*extra, *result.plans[0].overrides()], world_size=world)
-        except ValueError as exc:
-            return _fail(str(exc))
-        return dry_run_command(confirmed, world, as_json=args.json, prog="kiln plan --confirm")
+    print(json.dumps(result.to_dict(args.top)) if args.json else format_plans(result, args.top, args.file))
     return 0
 
 

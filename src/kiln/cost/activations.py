@@ -63,9 +63,19 @@ class ActivationEstimate:
     method: str = "fake tensors"
 
 
-def _key(t: torch.Tensor) -> int | None:
-    """What identifies ``t``'s storage while it lives (None for a wrapper subclass: a DTensor)."""
-    return None if is_traceable_wrapper_subclass(t) else StorageWeakRef(t.untyped_storage()).cdata
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s memory: ``t``, or the inner tensors of a wrapper subclass
+    (a DTensor's local shard), which own the storages."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = [getattr(t, name) for name in names]
+    return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain(x)]
+
+
+def _key(t: torch.Tensor) -> int:
+    """What identifies a plain tensor ``t``'s storage while it lives."""
+    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -79,16 +89,23 @@ class _LiveBytes(TorchDispatchMode):
         self.live: dict[int, tuple[weakref.ref, int, int]] = {}  # storage -> (ref, bytes, serial)
         self.events: list[tuple[int, int]] = []  # (serial, +bytes / -bytes), in order
         self._serial = 0
-        self._baseline = {StorageWeakRef(t.untyped_storage()).cdata for t in baseline}
+        self._baseline = {_key(p) for t in baseline for p in _plain(t)}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # An output on an input's storage (a view, an in-place op, a collective into its buffer)
         # allocated nothing: its storage is counted where it was made, or made before the count began.
-        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        # A DTensor op runs its local ops inside this call, with this mode off: they are never seen
+        # one by one, so its output's local shard is counted here (and a DTensor input's shard is an
+        # input's storage). Counting only plain tensors missed every tensor-parallel activation made
+        # inside DTensor ops: the sequence-parallel residual stream and norms, the projections'
+        # outputs, the vocabulary-sharded logits and the loss's log-softmax.
+        inputs = {_key(p) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) for p in _plain(t)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
-                self.track(t)
+            if isinstance(t, torch.Tensor):
+                for p in _plain(t):
+                    if _key(p) not in inputs:
+                        self.track(p)
         return out
 
     def _freed(self, key: int, ref: weakref.ref) -> None:
@@ -106,9 +123,9 @@ class _LiveBytes(TorchDispatchMode):
 
     def track(self, t: torch.Tensor) -> int:
         """Count ``t``'s storage from now on (once); its serial. A wrapper subclass (a DTensor) holds
-        no memory of its own: the tensors it wraps are counted when the ops on them run."""
+        no memory of its own: the tensors it wraps are counted (the serial is its first one's)."""
         if is_traceable_wrapper_subclass(t):
-            return 0
+            return next((s for s in [self.track(p) for p in _plain(t)] if s), 0)
         storage = t.untyped_storage()
         # a storage's address is unique while it lives, and its death removes it from live
         key = StorageWeakRef(storage).cdata
@@ -254,9 +271,10 @@ def _measure(model: nn.Module, example: Any, activation_checkpointing: Any, fake
     held: dict[int, int] = {}  # storages autograd saved: serial -> bytes
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        serial = tracker.track(t)
-        if serial:  # not a parameter's, a buffer's or the input's (counted elsewhere or not ours)
-            held[serial] = t.untyped_storage().nbytes()
+        for plain in _plain(t):
+            serial = tracker.track(plain)
+            if serial:  # not a parameter's, a buffer's or the input's (counted elsewhere or not ours)
+                held[serial] = plain.untyped_storage().nbytes()
         return t
 
     with contextlib.ExitStack() as stack:

@@ -5,53 +5,44 @@ The plans are what kiln's ``hybrid`` strategy runs on the mesh ``(pp, dp_shard, 
 first: tensor parallelism with the model's own plan (a Hugging Face model's ``base_model_tp_plan``:
 attention and MLP Linears split, embeddings and LM head whole), FSDP2 over ``dp_shard``, a pipeline
 of ``pp`` stages (1F1B) cut at block boundaries. Everything is analytic (a plan costs microseconds
-to price); ``kiln plan --dry-run`` of a plan's overrides runs the real code to confirm it.
+to price); ``kiln plan --dry-run`` of a plan's overrides runs the real code, and ``kiln plan
+--search --confirm`` dry-runs the first plans and ranks them by what it measures
+(:mod:`kiln.planning.confirm`).
 
-Memory per rank, in bytes (``pb``/``gb``: parameter and reduced-gradient bytes per element, ``cb``
-the compute dtype's, ``rb`` the residual stream's; ``S``: the parameters of the largest pipeline
-stage, with the attention and MLP Linears divided by ``tp``):
-
-* parameters ``S/dp x pb``, gradients ``S/dp x gb``, optimizer ``k x S/dp x pb`` (AdamW: k = 2);
-* FSDP's gathered blocks: two blocks (one running, one prefetched) in ``cb``;
-* activations of one microbatch of ``t`` tokens per layer, without checkpointing, what a Hugging
-  Face Llama block saves for its backward under autocast (counted op by op: ``amp`` is 1 under
-  ``amp_*``, 0 else): ``t x (h(4 rb + 5 cb amp) + (q(4 cb + 2 rb + 3 cb amp) + kv(3 cb + rb) + 4 cb
-  ffn) / tp)``: the two norms' inputs and outputs and the bf16 casts of q/k/v's and gate/up's
-  input; q, k, v, their rotary halves and embeddings (fp32: the rotary tables are), the repeated
-  keys and values, attention's bf16 inputs and output; the MLP's gate, activation, up and product.
-  With every block checkpointed: ``t x h x rb`` per block plus one block recomputed. The first stage
-  of a 1F1B pipeline holds ``min(pp, microbatches)`` microbatches; the last stage holds the logits
-  of one microbatch, ``t x vocab x 10`` bytes (bf16 logits, their fp32 copy and fp32 log-softmax),
-  and under ``amp_*`` in a pipeline ``t x vocab x 4`` more (the stage's output cast back to fp32).
-  Against kiln's dry run of Llama-3-8B (8192 tokens a microbatch, amp_bf16), estimated / measured:
-  89.1 / 100.3 GiB without checkpointing (FSDP 8), 14.9 / 16.1 GiB with it (FSDP 64 x TP 8), 16.8 /
-  19.1 GiB on the last stage of FSDP 32 x TP 8 x PP 2: 7 to 12% under.
+Memory per rank: the closed form of :mod:`kiln.planning.search_memory` (parameters, gradients and
+optimizer state of the largest stage's shard; activations as the largest of three moments of the
+step: the loss, a checkpointed block's backward, the embedding's backward), which
+``tests/test_search_vs_dry_run.py`` holds within 10% of kiln's dry run over a grid of plans. For
+Llama-3-8B at FSDP 64 x TP 8 (8192 tokens, full checkpointing, amp_bf16) it estimates 1,675 MiB
+of activations where the dry run measures 1,665 MiB (docs/planning.md has the terms).
 
 Cost of one optimizer step, in seconds: ``compute + communication + bubble``.
 
 * compute: the stage's FLOPs (``(6 + 2 if checkpointed) x`` parameters per token, the attention's
-  ``12 x layers x seq x heads x head_dim``, the LM head whole on each tensor-parallel rank) over
-  ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.cost.devices`;
+  ``12 x layers x seq x heads x head_dim``, the LM head on each tensor-parallel rank, its vocabulary
+  shard under loss parallelism) over ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.cost.devices`;
 * communication, each collective's bytes over the bandwidth of the link its mesh dimension crosses
   (inside a node when the dimension's group fits in ``devices_per_node``, else the network), as a
-  ring moves them: all-gather and reduce-scatter ``(n-1)/n x bytes``, all-reduce twice that,
-  point-to-point the bytes. FSDP gathers a stage's parameters in ``cb`` twice per microbatch (forward,
-  backward; ``microbatches + 1`` times in a pipeline, as kiln's dry run measures) and reduce-scatters
-  its gradients once per step; tensor parallelism with sequence and loss parallelism (the default
-  where kiln has the model's plan: Llama, Mistral, Qwen2 without a pipeline) gathers and
-  reduce-scatters ``t x h x cb`` bytes, each block 4 and 4 times per microbatch (6 and 5 with
-  checkpointing), plus 2 for the embedding and the head, and all-reduces ``t x cb`` per token in
-  the loss (2 per block and 1); its parameters, norms, residual stream and logits are divided by
-  ``tp`` (the embedding and the head split over the vocabulary). Without it, tensor parallelism
-  all-reduces ``t x h x cb`` bytes 7 times per layer and microbatch (2 forward; 5 backward: q, k,
-  v, gate and up each all-reduce their input's gradient), 8 with checkpointing (as the dry run
-  counts them; tests/test_search_vs_dry_run.py holds the two to each other); a pipeline
-  sends each microbatch's activations and receives their gradients. Nothing is assumed overlapped;
+  ring moves them: all-gather, reduce-scatter and broadcast ``(n-1)/n x bytes``, all-reduce twice
+  that, point-to-point the bytes. The bytes are the dry run's (``t`` tokens of a microbatch, ``h``
+  hidden, ``cb`` the compute dtype's bytes, ``a`` the residual stream's: ``cb`` under FSDP, fp32
+  under amp without it): FSDP gathers a stage's parameters in ``cb`` twice per microbatch (once a
+  step in a pipeline, whose stages keep them gathered) and reduce-scatters its gradients once per
+  step. Tensor parallelism with sequence parallelism (kiln's default where it has the model's plan:
+  Llama, Mistral, Qwen2 without a pipeline; loss parallelism too unless the embeddings are tied)
+  gathers and reduce-scatters ``t x h`` per call: each block gathers ``2 a + 2 cb`` (``4 a + 2
+  cb`` checkpointed) and reduce-scatters ``2 cb + 2 a`` (``3 cb + 2 a``) per microbatch, the head
+  and the embedding's backward gather ``2 a`` more, loss parallelism reduce-scatters ``2 a`` more;
+  under FSDP the norms' weight gradients are all-reduced once a step, ``(2 x layers + 1) x h`` in
+  ``cb`` (fp32 when accumulated). Without it tensor parallelism all-reduces ``t x h`` 7 times per
+  block and microbatch (8 checkpointed): 2 forward in ``cb`` (3 checkpointed), 5 backward in
+  ``cb``, or fp32 inside a pipeline stage (traced in fp32). A pipeline sends each microbatch's
+  fp32 activations and receives their gradients, and broadcasts the loss. Nothing is overlapped;
 * bubble: ``(pp - 1) / microbatches`` of the compute (1F1B).
 
 Infeasible: ``tp`` not dividing the attention or key/value heads, ``pp`` above the layers (or, for a
-Hugging Face Llama, above 2: kiln refuses its rotary embeddings as a skip connection across 3+
-stages), a global batch that does not split over the data-parallel ranks, fewer pipeline
+Hugging Face decoder outside :data:`kiln.models.hf_stages.MASK_RULES`' families, above 2: its rotary
+embeddings would cross 3+ stages as a skip connection), a global batch that does not split over the data-parallel ranks, fewer pipeline
 microbatches than stages, memory over the budget.
 """
 
@@ -65,6 +56,7 @@ from typing import Any
 from torch import nn
 
 from kiln.cost.devices import COMPUTE_EFFICIENCY, DeviceClass
+from kiln.planning.search_memory import plan_memory, precision_bytes, stage_params
 
 __all__ = [
     "ModelShape",
@@ -74,28 +66,13 @@ __all__ = [
     "precision_bytes",
     "parse_bytes",
     "format_plans",
+    "price_communication",
+    "rank",
 ]
 
 _GiB = 1024**3
-# (parameter, reduced gradient, compute, residual stream) bytes per element, by kiln precision name
-_PRECISION_BYTES = {
-    "amp_bf16": (4, 4, 2, 4),
-    "amp_fp16": (4, 4, 2, 4),
-    "bf16": (2, 2, 2, 2),
-    "fp16": (2, 2, 2, 2),
-    "fp32": (4, 4, 4, 4),
-}
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1024, "mib": 1024**2, "gib": _GiB, "tib": 1024**4})
-_LOGITS_BYTES_PER_VOCAB = 10  # bf16 logits + their fp32 copy + fp32 log-softmax, per token and vocabulary entry
-
-
-def precision_bytes(precision: str | None) -> tuple[int, int, int, int]:
-    """(parameter, gradient, compute, residual) bytes per element of a kiln precision name."""
-    name = precision or "fp32"
-    if name not in _PRECISION_BYTES:
-        raise ValueError(f"precision={name!r} cannot be planned; expected one of {', '.join(_PRECISION_BYTES)}")
-    return _PRECISION_BYTES[name]
 
 
 def parse_bytes(text: str | float | int) -> int:
@@ -127,6 +104,7 @@ class ModelShape:
     layer_params: int  # one block
     tied: bool = False
     huggingface: bool = False
+    deep_pipeline: bool = True  # any number of pipeline stages (a Hugging Face decoder kiln cuts: hf_stages)
     blocks: tuple[str, ...] = ()  # module names of the blocks (pipeline split points)
     sequence_parallel: bool = False  # kiln has a sequence-parallel plan for it (tp > 1 uses it, without pp)
 
@@ -181,17 +159,28 @@ class ModelShape:
             layer_params=layer,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             huggingface=callable(getattr(config, "to_dict", None)),
+            deep_pipeline=_cuts_into_any_stages(config),
             blocks=blocks,
             sequence_parallel=_has_sequence_parallel_plan(model),
         )
 
 
+def _cuts_into_any_stages(config: Any) -> bool:
+    # a Hugging Face decoder of a family whose layers kiln makes self-contained for the pipeline's
+    # trace (kiln.models.hf_stages) runs in any number of stages; any other keeps the model's rotary
+    # embeddings as a skip connection from stage 0, which only 2 stages can run
+    from kiln.models.hf_stages import MASK_RULES
+
+    return not callable(getattr(config, "to_dict", None)) or getattr(config, "model_type", None) in MASK_RULES
+
+
 def _has_sequence_parallel_plan(model: nn.Module) -> bool:
     # what Hybrid(tp=N) turns on by default: sequence parallelism and, with untied embeddings, loss
-    # parallelism (kiln.parallel.transforms.sequence_parallel); kiln.models.tp_plan knows the families
-    from kiln.models.tp_plan import huggingface_sequence_parallel_refusal, tied_embeddings
+    # parallelism (kiln.parallel.transforms.sequence_parallel; ModelShape.tied says which);
+    # kiln.models.tp_plan knows the families
+    from kiln.models.tp_plan import huggingface_sequence_parallel_refusal
 
-    return huggingface_sequence_parallel_refusal(model) is None and not tied_embeddings(model)
+    return huggingface_sequence_parallel_refusal(model) is None
 
 
 @dataclass
@@ -210,6 +199,9 @@ class SearchPlan:
     tokens_per_second: float = 0.0  # per device
     split_points: list[str] = field(default_factory=list)
     reason: str = ""  # why it is infeasible ("" when it is not)
+    activation_moments: dict[str, int] = field(default_factory=dict)  # kiln.planning.search_memory's
+    measured: dict[str, int] | None = None  # memory its dry run measured (kiln.planning.confirm), if run
+    estimated: dict[str, int] | None = None  # the closed form's memory, once measured replaced it
 
     @property
     def label(self) -> str:
@@ -244,6 +236,8 @@ class SearchPlan:
             "seconds": dict(self.seconds),
             "tokens_per_second_per_device": self.tokens_per_second,
             "overrides": self.overrides(),
+            "confirmed": self.measured is not None,
+            **({"estimated_memory": dict(self.estimated)} if self.estimated is not None else {}),
         }
 
 
@@ -261,6 +255,7 @@ class SearchResult:
     seq_len: int
     precision: str
     shape: ModelShape
+    devices_per_node: int = 8
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         d = self.device
@@ -322,99 +317,138 @@ def _price(
 ) -> None:
     pb, gb, cb, rb = precision_bytes(precision)
     dp, tp, pp, m = plan.dp_shard, plan.tp, plan.pp, plan.microbatches
-    # sequence and loss parallelism: on with tp > 1 where kiln has the model's plan, not with a pipeline
-    sp = shape.sequence_parallel and tp > 1 and pp == 1
-    layers = math.ceil(shape.num_layers / pp)
-    layer_tp = shape.layer_params - shape.layer_split_params + shape.layer_split_params // tp
-    norm = shape.hidden
-    embed, head = (shape.embed_params // tp, shape.head_params // tp) if sp else (shape.embed_params, shape.head_params)
-    first = layers * layer_tp + embed + (head + norm if pp == 1 else 0)
-    last = layers * layer_tp + head + norm + (embed if pp == 1 else 0)
-    shard = math.ceil(max(first, last) / dp)
-    params, grads, optimizer = shard * pb, shard * gb, optimizer_factor * shard * pb
-    gathered = 2 * layer_tp * cb if dp > 1 else 0
-
-    t = plan.micro_batch_size * seq_len  # tokens of one microbatch
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    amp = 1 if precision.startswith("amp") else 0
-    full_width = shape.hidden * (4 * rb + 5 * cb * amp)
-    split = q * (4 * cb + 2 * rb + 3 * cb * amp) + kv * (3 * cb + rb) + 4 * cb * shape.ffn
-    # with sequence parallelism the norms and the residual stream hold a sequence shard
-    per_layer = t * (full_width // (tp if sp else 1) + split // tp)
     ckpt = plan.activation_checkpointing is not None
-    kept = t * shape.hidden * rb // (tp if sp else 1) if ckpt else per_layer
-    recompute = per_layer if ckpt else 0
-    inflight = min(pp, m) if pp > 1 else 1
-    logits = t * shape.vocab * _LOGITS_BYTES_PER_VOCAB // (tp if sp else 1)  # loss parallel: a vocabulary shard
-    act_first = inflight * layers * kept + recompute + (logits if pp == 1 else 0)
-    if pp > 1 and amp:
-        # the last stage's output, bf16 logits under autocast, cast back to the traced fp32 for the loss
-        # (kiln.parallel.pipelining.boundary): one more copy
-        logits += t * shape.vocab * rb
-    act_last = layers * kept + recompute + logits
-    activations = max(act_first, act_last) + gathered
+    # sequence parallelism: on with tp > 1 where kiln has the model's plan, not with a pipeline; loss
+    # parallelism with it, unless the embeddings are tied
+    sp = shape.sequence_parallel and tp > 1 and pp == 1
+    lp = sp and not shape.tied
+    memory = plan_memory(
+        shape,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        checkpointing=ckpt,
+        micro_batch_size=plan.micro_batch_size,
+        microbatches=m,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer_factor=optimizer_factor,
+    )
     plan.memory = {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": activations,
-        "total": params + grads + optimizer + activations,
+        "params": memory.params,
+        "grads": memory.grads,
+        "optimizer": memory.optimizer,
+        "activations": memory.activations,
+        "total": memory.total,
     }
+    plan.activation_moments = dict(memory.moments)
+    layers = math.ceil(shape.num_layers / pp)
+    first, last, layer_tp = stage_params(shape, tp, pp, lp)
+    stage = max(first, last)
 
     # compute: FLOPs of the stage on this rank's tokens
+    t = plan.micro_batch_size * seq_len  # tokens of one microbatch
+    q = shape.heads * shape.head_dim
     tokens = global_batch * seq_len // dp
     fwd_per_token = 2 * layers * layer_tp + 4 * layers * seq_len * q // tp
     # the LM head: whole on each tensor-parallel rank, or its vocabulary shard with loss parallelism
-    fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if sp else 1)
+    fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if lp else 1)
     flops = (3 + (1 if ckpt else 0)) * fwd_per_token * tokens
     compute = flops / (device.bf16_flops * COMPUTE_EFFICIENCY)
     bubble = compute * (pp - 1) / m if pp > 1 else 0.0
 
-    sizes = {"pp": pp, "dp_shard": dp, "tp": tp}
-    bw = _mesh_bandwidth(device, sizes, devices_per_node)
     collectives: dict[str, dict[str, int]] = {}
-    comm = 0.0
-    stage = max(first, last)
+    amp = precision.startswith("amp")
+    # the residual stream's bytes: FSDP gathers amp's parameters in the compute dtype, so it is bf16
+    # there; without FSDP autocast leaves it (and the norms' outputs) fp32
+    a = cb if (dp > 1 or not amp) else rb
     if dp > 1:
-        gathers = m + 1 if pp > 1 else 2 * m
+        # a forward and a backward gather per microbatch; a pipeline stage keeps its blocks gathered
+        # across its microbatches (Hybrid's default under pp): one gather a step
+        gathers = 1 if pp > 1 else 2 * m
         ag, rs = gathers * stage * cb, stage * gb
         collectives["all_gather"] = {"dp_shard": ag}
         collectives["reduce_scatter"] = {"dp_shard": rs}
-        comm += (dp - 1) / dp * (ag + rs) / bw["dp_shard"]
     if tp > 1 and sp:
-        # each block gathers the sequence before its attention and its MLP and reduce-scatters after
-        # them, in the forward and (their transposes) in the backward, and again in a checkpointed
-        # block's recomputation (which stops before its last reduce-scatter); the embedding
-        # reduce-scatters, the head gathers. The loss's all-reduces are per token (as kiln's dry run
-        # counts them: 2 per block and 1, each of t compute-dtype values).
-        per_call = t * shape.hidden * cb
-        gathers, scatters = (6, 5) if ckpt else (4, 4)
-        ag, rs = (gathers * layers + 2) * m * per_call, (scatters * layers + 2) * m * per_call
-        ar = (2 * layers + 1) * m * t * cb
+        # each block gathers the sequence before its attention and its MLP (the norms' output, in the
+        # residual's dtype) and reduce-scatters the row-wise projections' outputs (compute dtype)
+        # after them; the backward runs their transposes (the gathers' on the outputs' gradients),
+        # and a checkpointed block's recomputation gathers twice and reduce-scatters once more (it
+        # stops before its last). The head gathers the sequence, and its transpose (the embedding's
+        # shards' gradient) gathers too; with loss parallelism the embedding reduce-scatters its
+        # output and the head its input's gradient. Each call: one microbatch, t x h.
+        per_token = t * shape.hidden
+        ag_layer = (2 + (2 if ckpt else 0)) * a + 2 * cb
+        rs_layer = (2 + (1 if ckpt else 0)) * cb + 2 * a
+        ag = (layers * ag_layer + 2 * a) * m * per_token
+        rs = (layers * rs_layer + (2 * a if lp else 0)) * m * per_token
         collectives["all_gather"] = {**collectives.get("all_gather", {}), "tp": ag}
         collectives["reduce_scatter"] = {**collectives.get("reduce_scatter", {}), "tp": rs}
-        collectives["all_reduce"] = {"tp": ar}
-        comm += (tp - 1) / tp * (ag + rs + 2 * ar) / bw["tp"]
+        if dp > 1:
+            # the sequence-parallel norms' weight gradients, partial sums over tp, all-reduced once
+            # a step inside FSDP's backward (fp32 when accumulated over microbatches)
+            ar = (2 * layers + 1) * shape.hidden * (cb if m == 1 else gb)
+            collectives["all_reduce"] = {"tp": ar}
     elif tp > 1:
-        per_call = t * shape.hidden * cb
-        ar = (8 if ckpt else 7) * layers * m * per_call
+        # each block all-reduces its attention's and its MLP's output in the forward (and the first
+        # again in a checkpointed block's recomputation) and q, k, v, gate and up their input's
+        # gradient in the backward: in the compute dtype, or fp32 (the trace's) in a pipeline stage
+        backward = rb if pp > 1 else cb
+        ar = ((3 if ckpt else 2) * cb + 5 * backward) * layers * m * t * shape.hidden
         collectives["all_reduce"] = {"tp": ar}
-        comm += 2 * (tp - 1) / tp * ar / bw["tp"]
     if pp > 1:
-        p2p = 2 * m * t * shape.hidden * cb
+        # each microbatch's activations sent forward and their gradients back, in the trace's dtype
+        # (fp32 under amp: the stage's output is cast back to it), once per neighbour; and the loss
+        # broadcast (one fp32 scalar)
+        p2p = (2 if pp == 2 else 4) * m * t * shape.hidden * rb
         collectives["p2p"] = {"pp": p2p}
-        comm += p2p / bw["pp"]
+        collectives["broadcast"] = {"pp": 4}
     plan.collectives = collectives
-    total = compute + comm + bubble
-    plan.seconds = {"compute": compute, "communication": comm, "bubble": bubble, "total": total}
-    plan.tokens_per_second = global_batch * seq_len / world_size / total
+    plan.seconds = {"compute": compute, "bubble": bubble}
+    _price_communication(plan, device, devices_per_node, global_batch * seq_len / world_size)
+
+
+# A ring's share of a collective's bytes over each rank's link (kiln.planning.comm_count's sizes)
+_RING = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "broadcast": 1.0, "all_to_all": 1.0}
+
+
+def _price_communication(plan: SearchPlan, device: DeviceClass, devices_per_node: int, tokens: float) -> None:
+    """``plan.seconds``' communication and total, and its tokens per second and device, from its
+    collectives: each collective's bytes over the bandwidth of the link its mesh dimension crosses,
+    as a ring moves them; point-to-point the bytes (a dimension the search does not name, such as
+    ``dp_replicate``, is priced on the network)."""
+    sizes = {"pp": plan.pp, "dp_shard": plan.dp_shard, "tp": plan.tp}
+    bw = _mesh_bandwidth(device, sizes, devices_per_node)
+    comm = 0.0
+    for kind, dims in plan.collectives.items():
+        for dim, moved in dims.items():
+            n = sizes.get(dim, 2)
+            share = 1.0 if kind == "p2p" else _RING.get(kind, 1.0) * (n - 1) / n
+            comm += share * moved / bw.get(dim, device.inter_node_bw)
+    total = plan.seconds["compute"] + comm + plan.seconds["bubble"]
+    plan.seconds = {**plan.seconds, "communication": comm, "total": total}
+    plan.seconds = {k: plan.seconds[k] for k in ("compute", "communication", "bubble", "total")}
+    plan.tokens_per_second = tokens / total
+
+
+def price_communication(plan: SearchPlan, result: SearchResult) -> None:
+    """Price ``plan``'s step again from its collectives (after a dry run replaced them)."""
+    _price_communication(
+        plan, result.device, result.devices_per_node, result.global_batch * result.seq_len / result.world_size
+    )
+
+
+def rank(plans: list[SearchPlan]) -> None:
+    """Sort ``plans`` cheapest first (fewer model-parallel ranks, then no checkpointing, on a tie)."""
+    plans.sort(key=lambda p: (p.seconds["total"], p.tp * p.pp, p.activation_checkpointing is not None))
 
 
 def _split_points(shape: ModelShape, pp: int) -> list[str]:
     if pp == 1 or len(shape.blocks) < pp:
         return []
-    per = math.ceil(len(shape.blocks) / pp)
-    return [shape.blocks[i * per] for i in range(1, pp)]
+    # the first len % pp stages take one block more: the largest has ceil(len / pp), as priced
+    per, extra = divmod(len(shape.blocks), pp)
+    return [shape.blocks[i * per + min(i, extra)] for i in range(1, pp)]
 
 
 def search(
@@ -467,8 +501,8 @@ def search(
                 reason = "tp does not divide the attention heads or key/value heads"
             elif pp > shape.num_layers:
                 reason = "pp above the number of layers (a stage without layers)"
-            elif shape.huggingface and pp > 2:
-                reason = "pp above 2 for a Hugging Face model (kiln refuses its rotary embeddings across 3+ stages)"
+            elif not shape.deep_pipeline and pp > 2:
+                reason = "pp above 2 for this Hugging Face model (its rotary embeddings cross 3+ stages)"
             elif global_batch % dp:
                 reason = "the global batch does not split over the data-parallel ranks"
             if reason is not None:  # with and without checkpointing, whatever the microbatch
@@ -491,16 +525,19 @@ def search(
                         drop("memory over the budget")
                         continue
                     plans.append(plan)
-    plans.sort(key=lambda p: (p.seconds["total"], p.tp * p.pp, p.activation_checkpointing is not None))
-    return SearchResult(plans, infeasible, searched, device, world_size, limit, global_batch, seq_len, precision, shape)
+    rank(plans)
+    return SearchResult(
+        plans, infeasible, searched, device, world_size, limit, global_batch, seq_len, precision, shape, per_node
+    )
 
 
 def _gib(n: float) -> str:
     return f"{n / _GiB:.1f}"
 
 
-def format_plans(result: SearchResult, top: int = 10) -> str:
-    """The feasible plans as the text table ``kiln plan --search`` prints, cheapest first."""
+def format_plans(result: SearchResult, top: int = 10, run_file: str | None = None) -> str:
+    """The feasible plans as the text table ``kiln plan --search`` prints, cheapest first; the last
+    line is the command that dry-runs the first plan, with ``run_file`` (the ``-f`` given)."""
     d = result.device
     budget = "none" if result.budget is None else f"{_gib(result.budget)} GiB"
     lines = [
@@ -514,6 +551,7 @@ def format_plans(result: SearchResult, top: int = 10) -> str:
         "ckpt",
         "mbs x n",
         "GiB/rank",
+        "by",
         "compute s",
         "comm s",
         "bubble s",
@@ -528,6 +566,7 @@ def format_plans(result: SearchResult, top: int = 10) -> str:
                 "full" if p.activation_checkpointing else "-",
                 f"{p.micro_batch_size} x {p.microbatches}",
                 _gib(p.memory["total"]),
+                "dry run" if p.measured is not None else "estimate",
                 f"{p.seconds['compute']:.3f}",
                 f"{p.seconds['communication']:.3f}",
                 f"{p.seconds['bubble']:.3f}",
@@ -543,8 +582,13 @@ def format_plans(result: SearchResult, top: int = 10) -> str:
             f"{kind} {dim} {_gib(b)} GiB" for kind, dims in best.collectives.items() for dim, b in dims.items()
         )
         lines.append(f"first plan's collectives per step and rank: {comm or 'none'}")
-        lines.append("dry-run it: kiln plan -f RUN.yaml --dry-run --world-size " + str(result.world_size) + " "
-                     + " ".join(_quote(a) for a in best.overrides()))  # fmt: skip
+        run = _quote(str(run_file)) if run_file is not None else "RUN.yaml"
+        command = f"kiln plan -f {run} --dry-run --world-size {result.world_size} " + " ".join(
+            _quote(a) for a in best.overrides()
+        )
+        lines.append(
+            ("dry-run it: " if run_file is not None else "dry-run it with a run file of this model: ") + command
+        )
     else:
         lines.append("no plan fits: add devices, raise --memory, or shorten the sequences / the global batch")
     return "\n".join(lines)

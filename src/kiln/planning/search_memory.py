@@ -1,0 +1,209 @@
+"""Memory per rank of a searched plan, in closed form: what kiln's dry run measures of the plan's
+largest stage (:mod:`kiln.planning.search` prices its plans with :func:`plan_memory`;
+``tests/test_search_vs_dry_run.py`` holds the two within 10% over a grid of plans).
+
+Per rank, in bytes (``pb``/``gb``: parameter and reduced-gradient bytes per element; ``S``: the
+stage's parameters, its blocks' attention and MLP Linears divided by ``tp``, the embedding and LM
+head too under loss parallelism): parameters ``S/dp x pb``, gradients ``S/dp x gb``, optimizer
+state ``k x S/dp x pb`` (AdamW: k = 2).
+
+Activations are the most bytes alive at once in a step's forwards and backwards, less the
+gradients, as the dry run counts them (FSDP's gathered parameters and buffers included): the
+largest of three moments of the step, each a sum of what is alive then. Symbols: ``t = b x s``
+tokens of one microbatch (``b`` sequences of ``s`` tokens), ``L`` the stage's blocks, ``h`` the
+hidden size, ``d`` the head size, ``q = n x d`` the query width, ``k`` the keys' (``q`` under
+grouped-query attention, whose repeated keys and values are what attention saves; else the
+key/value width), ``f`` the MLP's intermediate size, ``V`` the vocabulary, ``T`` the
+tensor-parallel size, ``Q`` the sequence shards (``T`` under sequence parallelism, else 1), ``c``
+the compute dtype's bytes (2), ``a`` the residual stream's (``c`` under FSDP, whose bf16 parameters
+make the embedding's output bf16; 4 under amp without FSDP and in a pipeline stage, traced in
+fp32), ``P`` one block's parameters, ``R`` the embedding's and head's (over ``T`` under loss
+parallelism):
+
+* a block, not checkpointed, saves ``2t((4 + a)h/Q + 4/Q)`` for its two norms (the fp32 input or
+  its copy, the normalised output, 1/rms, on the sequence shard), ``x t h c`` for the projections'
+  input whole (the gathered sequence under sequence parallelism; ``x`` = 2 from a bf16 stream, 5
+  from an fp32 one, where q, k, v, gate and up each cast it), ``t(c(2q + 2k)/T + 4n/T)`` for
+  attention (rotated queries, keys, values, output, log-sum-exp), ``4 t f c / T`` for the MLP (gate,
+  up, activation, product) and ``b s^2 c`` for attention's mask; checkpointed, its input
+  ``t h a / Q``, with the boolean causal mask ``b s^2`` kept once;
+* **the loss**: every block's saved tensors, the final norm's and the head's input
+  ``t((4 + a)h/Q + 4/Q) + t h c``, the rotary tables ``2 s d a``, and the loss's: under loss
+  parallelism ``10 t V / T`` (the bf16 logits of the vocabulary shard, the fp32 log-softmax and its
+  gradient), otherwise ``12 t V`` (three fp32 ``t x V``: the log-softmax, its input's and output's
+  gradients) plus FSDP's root gathered again for the backward and the last block prefetched,
+  ``(R + P) c`` (the loss is the model's own output there);
+* **a checkpointed block's backward**: ``L - 1`` kept inputs, the block recomputed with its
+  gradients' temporaries ``2 t f c / T + t h a``, FSDP's block and the next one gathered and the
+  block's fp32 gradients, ``2 P c + 4 P``, and the root ``R c``;
+* **the embedding's backward** (under FSDP): its gradient over the whole vocabulary ``V h c`` (a
+  vocabulary-split embedding's backward computes it whole, then keeps its rows), the root gathered
+  and its gradients ``2 R c``, the first block's fp32 gradient buffer ``4 P``.
+
+Each moment also holds the rotary tables, the boolean mask when checkpointed, and, under FSDP with
+``microbatches > 1``, the unsharded fp32 gradients kept between microbatches, ``S x 4`` (a
+vocabulary-split embedding's over the whole vocabulary). A pipeline stage keeps its blocks gathered
+across its microbatches (``S c``, Hybrid's default under pp); its first stage holds ``min(pp,
+microbatches)`` microbatches of blocks, its last one and the loss, ``t V (12 + 4)`` under amp (the
+logits cast back to the traced fp32 for the loss).
+
+Llama-3-8B at FSDP 64 x TP 8, one sequence of 8192 tokens, every block checkpointed, amp_bf16:
+the loss moment is 256 (blocks) + 88 (final norm, head input) + 4 (rotary) + 64 (mask) + 1,252.5
+(logits) = 1,664.5 MiB, the embedding's backward 1,002 + 501 + 104 + 68 = 1,675.0 MiB; the dry run
+measures 1,664.6 MiB (at the loss). docs/planning.md has the table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PRECISION_BYTES", "PlanMemory", "plan_memory", "precision_bytes"]
+
+# (parameter, reduced gradient, compute, residual stream) bytes per element, by kiln precision name
+PRECISION_BYTES = {
+    "amp_bf16": (4, 4, 2, 4),
+    "amp_fp16": (4, 4, 2, 4),
+    "bf16": (2, 2, 2, 2),
+    "fp16": (2, 2, 2, 2),
+    "fp32": (4, 4, 4, 4),
+}
+_F32 = 4
+
+
+def precision_bytes(precision: str | None) -> tuple[int, int, int, int]:
+    """(parameter, gradient, compute, residual) bytes per element of a kiln precision name."""
+    name = precision or "fp32"
+    if name not in PRECISION_BYTES:
+        raise ValueError(f"precision={name!r} cannot be planned; expected one of {', '.join(PRECISION_BYTES)}")
+    return PRECISION_BYTES[name]
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    """Bytes per rank of a plan's largest stage; ``moments`` are the activation moments of the
+    module docstring (``loss``, ``block_backward``, ``embedding_backward``) of that stage."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    moments: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def stage_params(shape: Any, tp: int, pp: int, vocab_split: bool) -> tuple[int, int, int]:
+    """(parameters of the first stage, of the last, of one block) on one tensor-parallel rank."""
+    layers = math.ceil(shape.num_layers / pp)
+    block = shape.layer_params - shape.layer_split_params + shape.layer_split_params // tp
+    embed, head = shape.embed_params, shape.head_params
+    if vocab_split:
+        embed, head = embed // tp, head // tp
+    norm = shape.hidden
+    first = layers * block + embed + (head + norm if pp == 1 else 0)
+    last = layers * block + head + norm + (embed if pp == 1 else 0)
+    return first, last, block
+
+
+def plan_memory(
+    shape: Any,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    checkpointing: bool,
+    micro_batch_size: int,
+    microbatches: int,
+    seq_len: int,
+    precision: str,
+    optimizer_factor: int,
+) -> PlanMemory:
+    """The closed form of the module docstring for a plan of ``shape`` (a
+    :class:`kiln.planning.search.ModelShape`)."""
+    pb, gb, cb, rb = precision_bytes(precision)
+    amp = precision.startswith("amp")
+    sp = bool(shape.sequence_parallel) and tp > 1 and pp == 1
+    lp = sp and not shape.tied
+    fsdp = dp > 1
+    first, last, block = stage_params(shape, tp, pp, lp)
+    stage = max(first, last)
+    shard = math.ceil(stage / dp)
+    params, grads, optimizer = shard * pb, shard * gb, optimizer_factor * shard * pb
+    if lp and not fsdp:
+        # the vocabulary-split embedding's gradient is a slice of the whole vocabulary's (DTensor
+        # computes the embedding's backward whole), and the slice keeps that storage
+        grads += (shape.embed_params - shape.embed_params // tp) * gb
+
+    m, b, s = microbatches, micro_batch_size, seq_len
+    t = b * s
+    h, V, d = shape.hidden, shape.vocab, shape.head_dim
+    q, kv, n, f = shape.heads * d, shape.kv_heads * d, shape.heads, shape.ffn
+    T, Q = tp, (tp if sp else 1)
+    # the residual stream's bytes: FSDP gathers amp's parameters in the compute dtype, so the
+    # embedding's output and every add after it are bf16; without FSDP, or in a pipeline stage
+    # (traced in fp32, whose output is cast back to it), autocast leaves them fp32
+    a = cb if ((fsdp and pp == 1) or not amp) else rb
+    layers = math.ceil(shape.num_layers / pp)
+
+    # a norm: its fp32 input (a copy unless the stream is fp32 already) and normalised output on the
+    # sequence shard, and its fp32 1/rms; then the projections' input whole (the gathered sequence
+    # under sequence parallelism) in the compute dtype: the norms' two outputs, or, from an fp32
+    # stream, autocast's five copies (q, k, v, gate and up each cast their input)
+    norm = t * (_F32 + a) * h // Q + t * _F32 // Q
+    inputs = (5 if a > cb else 2) * t * h * cb
+    # the rotated queries, the keys and values (repeated to the query heads under grouped-query
+    # attention: the repeat is what attention saves), attention's output and its log-sum-exp; its
+    # mask in the compute dtype
+    keys = q if kv < q else kv
+    attention = t * (cb * (2 * q + 2 * keys) // T + _F32 * n // T) + b * s * s * cb
+    full = 2 * norm + inputs + attention + t * 4 * cb * f // T
+    final_norm = norm + t * h * cb  # and the head's input
+    kept = t * h * a // Q if checkpointing else full
+    rotary = 2 * s * d * a
+    mask = b * s * s if checkpointing else 0
+    vocab_rows = T if lp else 1
+    root = (shape.embed_params + shape.head_params) // vocab_rows * cb if fsdp else 0
+    gathered_block = block * cb if fsdp else 0
+    # FSDP keeps unsharded fp32 gradients between microbatches (of accumulation, or of a pipeline);
+    # a vocabulary-split embedding's is the whole vocabulary's (its backward computes it whole)
+    accumulated = 0
+    if fsdp and m > 1:
+        accumulated = stage * gb + (shape.embed_params - shape.embed_params // T) * gb * lp
+    common = rotary + mask + accumulated
+
+    moments: dict[str, int] = {}
+    if pp > 1:
+        # a pipeline stage keeps its blocks gathered from its first forward to its last backward
+        # (Hybrid's default under pp); the first stage holds min(pp, microbatches) microbatches of
+        # its blocks, the last one and the loss: its output (the logits) cast back to fp32 under
+        # amp, the log-softmax, its input's and its output's gradients
+        gathered = stage * cb if fsdp else 0
+        inflight = min(pp, m)
+        loss = t * V * (12 + (_F32 if amp else 0))
+        moments["first_stage"] = inflight * layers * kept + (full if checkpointing else 0) + gathered + common
+        moments["loss"] = layers * kept + final_norm + loss + gathered + common
+    else:
+        if lp:
+            # the vocabulary shard's bf16 logits (held by the loss's graph), its log-softmax and gradient
+            loss = 10 * t * V // T
+        else:
+            # inside the model, three fp32 t x V tensors; the loss being the root's output, FSDP has
+            # gathered the root again and prefetched the last block for the backward
+            loss = 12 * t * V + root + gathered_block
+        moments["loss"] = layers * kept + final_norm + loss + common
+        if checkpointing:
+            # the last block recomputed with its gradients' temporaries (the MLP's two, the sequence
+            # gathered once more); FSDP's block, the next one prefetched, the block's fp32 gradients
+            temporaries = 2 * t * cb * f // T + t * h * a
+            fsdp_block = (2 * gathered_block + block * gb if fsdp else 0) + root
+            moments["block_backward"] = (layers - 1) * kept + full + temporaries + fsdp_block + common
+        if fsdp:
+            # the embedding's gradient over the whole vocabulary, the gathered root and its
+            # gradients, the first block's fp32 gradient buffer
+            moments["embedding_backward"] = V * h * cb + 2 * root + block * _F32 + common
+    activations = max(moments.values())
+    return PlanMemory(params, grads, optimizer, activations, moments)
