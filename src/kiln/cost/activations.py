@@ -14,7 +14,10 @@ Counted: the bytes of every tensor storage alive during that forward and backwar
 counts once, whatever its views), the peak over the run less the parameters' gradients (the plan
 counts those in its own column). That is what autograd saves for the backward, plus the outputs
 the loop keeps (the Trainer holds ``state.outputs`` through the backward), plus the backward's
-temporaries (the gradient of each activation coexists with the saved tensors it consumes).
+temporaries (the gradient of each activation coexists with the saved tensors it consumes). A
+tensor subclass that wraps others (a DTensor under tensor parallelism) holds no memory of its own:
+its inner tensors are counted, made by ops this count does not see one by one (DTensor runs its
+local ops inside the op this mode sees).
 
 Activation checkpointing is measured, not modelled: the modules ``activation_checkpointing``
 names get ``torch.utils.checkpoint`` (non-reentrant, as kiln applies it) for the fake run, so the
