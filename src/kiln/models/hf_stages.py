@@ -79,7 +79,7 @@ def self_contained_layers(model: nn.Module, batch: Mapping[str, Any] | None = No
     rule = MASK_RULES.get(getattr(config, "model_type", ""))
     own_mask = rule is not None and not given & {"attention_mask", "position_ids"}
     for index, layer in enumerate(layers):
-        layer.add_module(ROTARY, copy.deepcopy(rotary))
+        layer.add_module(ROTARY, _own_copy(rotary))
         mask = _mask_function(config, rule, index) if own_mask else None
         layer.forward = _own_inputs(layer, layer.forward, config, mask)  # an instance attribute: one layer only
     try:
@@ -88,6 +88,18 @@ def self_contained_layers(model: nn.Module, batch: Mapping[str, Any] | None = No
         for layer in layers:
             del layer.forward
             delattr(layer, ROTARY)
+
+
+def _own_copy(rotary: nn.Module) -> nn.Module:
+    # A module of its own (a traced stage keeps only the modules its layers call) over clones of
+    # the buffers. Not copy.deepcopy: in a dry run the buffers are fake tensors, whose deep copies
+    # share what the fake mode tracks and crashed the interpreter at exit (a double free).
+    own = copy.copy(rotary)
+    own._parameters = dict(rotary._parameters)
+    own._buffers = {name: None if b is None else b.clone() for name, b in rotary._buffers.items()}
+    own._non_persistent_buffers_set = set(rotary._non_persistent_buffers_set)
+    own._modules = dict(rotary._modules)
+    return own
 
 
 def _mask_function(config: Any, rule: str | None, index: int) -> Callable[..., Any]:
