@@ -21,7 +21,7 @@ step, the optimizer) and one training step, as the first rank of each pipeline s
 each of those ranks holds and moves (:mod:`kiln.planning.dry_run`), or with ``--json`` the same
 report as one JSON object. A configuration error is the real run's one line, with status 2.
 
-    kiln plan -f run.yaml --world-size 256 --search --device h100 --memory 80GiB [--json] [--confirm]
+    kiln plan -f run.yaml --world-size 256 --search --device h100 --memory 80GiB [--json] [--confirm [N]]
 
 ``--search`` lists the feasible (dp_shard, tp, pp, checkpointing, microbatch) plans of a transformer,
 cheapest first by an explicit cost model (:mod:`kiln.cli.plan_search`, :mod:`kiln.planning.search`).
