@@ -57,6 +57,19 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, Mapping) and bool(section.get("enabled", False))
 
 
+def _skip_inference_all_reduce_build() -> None:
+    # DeepSpeed's communication backend builds its shared-memory all-reduce when it starts (a C++
+    # extension compiled with ninja on first use: 100 s to 9 min of a 2-core machine, again whenever
+    # its compile flags change), for deepspeed.comm's inference_all_reduce only, which training never
+    # calls: kiln's collectives are torch.distributed's. Marked incompatible, it is not built (only
+    # where DeepSpeed's CPU accelerator would build it: on CUDA the op does not exist).
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict) and "deepspeed_shm_comm" in compatible:
+        compatible["deepspeed_shm_comm"] = False
+
+
 class DeepSpeed(Strategy):
     """Model and optimizer wrapped by ``deepspeed.initialize(model, optimizer, config=...)``.
 
@@ -165,6 +178,7 @@ class DeepSpeed(Strategy):
             dist.init_process_group(
                 "nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
             )
+        _skip_inference_all_reduce_build()
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.config, dist_init_required=False
         )
