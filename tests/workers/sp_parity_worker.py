@@ -35,8 +35,8 @@ VARIANTS = {"accum2": (2, None), "clip": (1, CLIP), "accum2_clip": (2, CLIP)}
 # counts as many tokens and the mean of the micro-batch means is the global token mean
 IGNORED = 2
 
-LLAMA = dict(num_hidden_layers=2)
-# the pipelines' Llamas: a layer a stage (4 stages), two stages a rank (8 stages, interleaved)
+# layers of each Llama: 2 for tensor parallelism; the pipelines' a layer a stage (4 stages) and two
+# stages a rank (8 stages, interleaved)
 LAYERS = {"llama": 2, "llama4": 4, "llama8": 8}
 
 
