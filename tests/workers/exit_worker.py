@@ -1,9 +1,11 @@
 """A job of 2 or more ranks that trains a few DDP steps and ends, for the clean-exit tests.
 
-Usage: exit_worker.py [FAIL_RANK | destroy]. The script returns right after its last backward, the moment
-at which torch 2.13's gloo threads can still be waiting for the GIL (see kiln/launch/teardown.py).
-With FAIL_RANK, that rank raises after training instead; with ``destroy`` the script
-ends with its own ``destroy_process_group()``, as many scripts do.
+Usage: exit_worker.py [FAIL_RANK | destroy | mixed]. The script returns right after its last backward, the
+moment at which torch 2.13's gloo threads can still be waiting for the GIL (see kiln/launch/teardown.py).
+With FAIL_RANK, that rank raises after training instead; with ``destroy`` the script ends with its own
+``destroy_process_group()``, as many scripts do. ``mixed``: odd ranks end with their own
+``destroy_process_group()``; even ranks leave the group to kiln and print ``rank R: group destroyed at
+exit`` when kiln's exit handler destroys it (while Python is still alive, after ``finished``).
 """
 
 import sys
@@ -16,8 +18,17 @@ ctx = kiln.launch_from_torch()
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
 for _ in range(3):
     model(torch.randn(4, 8)).sum().backward()
-if sys.argv[1:] == ["destroy"]:
+if sys.argv[1:] == ["destroy"] or (sys.argv[1:] == ["mixed"] and ctx.rank % 2):
     torch.distributed.destroy_process_group()
+elif sys.argv[1:] == ["mixed"]:
+    # kiln.launch.teardown calls torch.distributed.destroy_process_group at exit: say when it does
+    destroy = torch.distributed.destroy_process_group
+
+    def announced(*args, **kwargs):
+        print(f"rank {ctx.rank}: group destroyed at exit", flush=True)
+        return destroy(*args, **kwargs)
+
+    torch.distributed.destroy_process_group = announced
 elif len(sys.argv) > 1 and ctx.rank == int(sys.argv[1]):
     raise RuntimeError(f"planned failure on rank {ctx.rank}")
 print(f"rank {ctx.rank} finished", flush=True)
