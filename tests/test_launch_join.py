@@ -1,20 +1,22 @@
 """One job, whatever the launcher (issue 23): the Trainer, kiln.initialize and the config CLI join
 the launcher's world by themselves (kiln.launch.join), an explicit launch call wins, and a world
-of one makes no process group. Real two-process runs under kiln run, SLURM's and Open MPI's
-variables; launcher detection and SLURM's derived address in one process."""
+of one makes no process group. Two-process jobs: one real `kiln run` (the Trainer, which also
+checks the lock's torchrun run id); the other front doors and launchers with the ranks forked from
+the warm server (tests/distributed.py), each with exactly the variables its launcher sets (torchrun's
+as `kiln run` sets them, SLURM's, Open MPI's): joining reads those variables, the launcher process
+itself plays no part. Launcher detection and SLURM's derived address in one process."""
 
 from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
 
 import kiln
-from distributed import WORKERS, base_env, check, free_port, kiln_run, run_ranks
+from distributed import WORKERS, _fork_job, base_env, check, fork_ranks, fork_run, free_port, kiln_run
 from kiln.launch import join
 from kiln.launch.environments import Launcher, detect, first_host, slurm_address
 
@@ -53,7 +55,7 @@ def test_kiln_run_of_a_trainer_script_without_launch_is_one_job(tmp_path):
 
 @pytest.mark.parametrize("mode", ["engine", "explicit"])
 def test_kiln_run_initialize_joins_and_an_explicit_launch_wins(tmp_path, mode):
-    check(kiln_run(WORKER, str(tmp_path), mode))
+    check(fork_run(WORKER, str(tmp_path), mode))  # torchrun's variables, as kiln run sets them
     ranks = _ranks(tmp_path)
     _one_job_split(ranks)
     # explicit: kiln.context() after the Trainer is still the Context launch_from_torch returned
@@ -78,7 +80,7 @@ def test_srun_of_a_trainer_script_without_launch_or_master_address(tmp_path):
     # address is derived from the node list and the job id, the same in both tasks.
     job = _slurm_job_with_a_free_port()
     env = {"SLURM_NTASKS": 2, "SLURM_STEP_ID": 0, "SLURM_JOB_ID": job, "SLURM_STEP_NODELIST": "localhost"}
-    for result in run_ranks(
+    for result in fork_ranks(
         WORKER, lambda r: {**env, "SLURM_PROCID": r, "SLURM_LOCALID": r}, args=(str(tmp_path), "trainer")
     ):
         check(result)
@@ -88,7 +90,7 @@ def test_srun_of_a_trainer_script_without_launch_or_master_address(tmp_path):
 
 def test_mpirun_of_a_trainer_script_without_launch(tmp_path):
     env = {"OMPI_COMM_WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": free_port()}
-    results = run_ranks(
+    results = fork_ranks(
         WORKER,
         lambda r: {**env, "OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_LOCAL_RANK": r},
         args=(str(tmp_path), "trainer"),
@@ -108,21 +110,13 @@ def test_config_cli_joins_an_mpirun_world(tmp_path):
         "checkpoint: {no_save: true}\nrun_mode: compile\n"
     )
     env = {"OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli.main", "train", "-f", "run.yaml"],
-            cwd=tmp_path,
-            env={**base_env(), **env, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
+    envs = [
+        {**base_env(), **env, "OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_LOCAL_RANK": str(r)} for r in range(2)
     ]
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    # `python -m kiln.cli.main train` in each rank (through kiln's worker bootstrap, which sets no
+    # launcher variable), forked, in the folder of run.yaml
+    argv = ["-m", "kiln.cli.main", "train", "-f", "run.yaml"]
+    results, _ = _fork_job(argv, True, envs, 180, tmp_path)
     for result in results:
         check(result)
     assert "world 2;" in results[0].stdout and "data-parallel 2 =" in results[0].stdout, results[0].stdout
