@@ -36,24 +36,43 @@ FAMILIES = {
     "llama": ("llama", {}),
     # layers 2 and 3 attend through a window of 4 (seq 16): the layers' masks differ
     "qwen2_sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}),
+    # 2 experts, top 1: the trace runs each expert's branch (its cost grows with their number); the
+    # family is here for its mask (Mistral's one sliding window)
+    "mixtral": ("mixtral", {"num_local_experts": 2, "num_experts_per_tok": 1, "sliding_window": 4}),
 }
 
 
-def _model(family: str) -> HuggingFaceModel:
+def _model(family: str, **fields) -> HuggingFaceModel:
     model_type, extra = FAMILIES[family]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **extra))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **extra, **fields}))
     # float64 where transformers' kernels take it (its grouped experts run float32 only)
     return HuggingFaceModel(model.to(torch.float32 if model_type == "mixtral" else torch.float64))
 
 
-def _cut(model: HuggingFaceModel, batch: dict, trace: bool = True):
+def _cut(model: HuggingFaceModel, batch: dict):
+    """4 stages, traced with the model's preparation; and the model's unsaved buffers seen in the trace."""
     split = {f"model.model.layers.{i}": SplitPoint.BEGINNING for i in (1, 2, 3)}
-    if not trace:
-        return pipeline(model, mb_args=(batch,), split_spec=split)
     with model.pipeline_trace(batch):
-        return pipeline(model, mb_args=(batch,), split_spec=split)
+        unsaved = _non_persistent_buffers(model)
+        return pipeline(model, mb_args=(batch,), split_spec=split), unsaved
+
+
+@pytest.fixture(scope="module")
+def cut():
+    """family -> (model, batch, its 4 stages, the unsaved buffers): each traced once (a trace costs
+    seconds), for the logits test and, the Llama, the state-dict test."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            model = _model(family)
+            gen = torch.Generator().manual_seed(1)
+            batch = {"input_ids": torch.randint(0, COMMON["vocab_size"], (2, SEQ), generator=gen)}
+            made[family] = (model, batch, *_cut(model, batch))
+        return made[family]
+
+    return get
 
 
 def _stage_inputs(pipe) -> list[int]:
@@ -63,11 +82,9 @@ def _stage_inputs(pipe) -> list[int]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_four_stages_pass_only_the_hidden_states_and_give_the_model_s_logits(family):
-    model = _model(family)
-    batch = {"input_ids": torch.randint(0, COMMON["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(1))}
+def test_four_stages_pass_only_the_hidden_states_and_give_the_model_s_logits(cut, family):
+    model, batch, pipe, _ = cut(family)
     want = model(batch).logits
-    pipe = _cut(model, batch)
     assert pipe.num_stages == 4 and _skip_connection(pipe) is None
     assert _stage_inputs(pipe) == [1, 1, 1]  # the hidden states, nothing else
     got = pipe(batch)
@@ -78,20 +95,19 @@ def test_four_stages_pass_only_the_hidden_states_and_give_the_model_s_logits(fam
 
 
 def test_without_the_model_s_preparation_later_stages_get_skip_connections():
-    # the "before": the rotary pair, the positions and the mask go from stage 0 to every stage
-    model = _model("llama")
+    # the "before": the rotary pair, the positions and the mask go from stage 0 to every later stage
+    # (3 layers, 3 stages: stage 2 reads stage 0's outputs; the trace costs 3/4 of 4 layers')
+    model = _model("llama", num_hidden_layers=3)
     batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
-    pipe = _cut(model, batch, trace=False)
+    split = {f"model.model.layers.{i}": SplitPoint.BEGINNING for i in (1, 2)}
+    pipe = pipeline(model, mb_args=(batch,), split_spec=split)
     assert "skip connection" in (_skip_connection(pipe) or "")
 
 
-def test_the_stages_state_dicts_hold_the_model_s_keys_and_no_rotary_copy():
+def test_the_stages_state_dicts_hold_the_model_s_keys_and_no_rotary_copy(cut):
     # the trace registers every buffer as persistent; the runtime marks the model's unsaved ones
-    model = _model("llama")
-    batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
-    with model.pipeline_trace(batch):
-        unsaved = _non_persistent_buffers(model)
-        pipe = pipeline(model, mb_args=(batch,), split_spec={"model.model.layers.2": SplitPoint.BEGINNING})
+    # (the stages are fresh modules of the split graph: marking them leaves the model as it was)
+    model, _, pipe, unsaved = cut("llama")
     assert {"model.model.layers.3.rotary_emb.inv_freq", "model.model.rotary_emb.inv_freq"} <= unsaved
     keys = set()
     for i in range(pipe.num_stages):
