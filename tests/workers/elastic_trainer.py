@@ -3,6 +3,8 @@ of the first attempt and torchrun restarts the workers, which resume from `last`
 
     kiln run -n 2 [--max-restarts 1] elastic_trainer.py OUT none|crash [PLAIN]
 
+(tests/test_elastic.py forks both attempts' ranks, the second with TORCHELASTIC_RESTART_COUNT=1.)
+
 With PLAIN, the first attempt trains the same run uninterrupted in PLAIN first (the reference, in
 the same launch: a launch's processes cost more than this run), then the run in OUT. Each run's
 ranks write OUT/rank<r>.json: the attempt, the batch the run started from and the weights.
