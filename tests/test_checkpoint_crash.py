@@ -1,6 +1,6 @@
 """Crash safety: SIGKILL at random moments while checkpoints are saved, run after run in one folder.
 
-A server process imports torch once and forks one training process per kill
+A server process (one for the module) imports torch once and forks one training process per kill
 (tests/workers/ckpt_crash.py), so a kill costs a fork and a few saves, not ~2 s of imports. Each
 child saves every batch with ``num_checkpoints_to_keep=2`` (sync or async), either fresh (a new
 run among the old run's checkpoints) or resuming ``last``, and is killed after a random delay once
@@ -41,7 +41,7 @@ from kiln.checkpoint import layout, load_checkpoint, verify_checkpoint
 from kiln.launch.runlock import LOCK_NAME
 from workers.ckpt_common import build_state
 
-NUM_KILLS = 40  # per mode
+NUM_KILLS = 16  # per mode: each run draws new delays, so runs together cover the phases
 KEEP, WIDTH = 2, 512  # as in the worker
 MAX_DELAY = 0.25  # seconds after the first save: several save cycles, so kills land in every phase
 
@@ -125,9 +125,10 @@ class Server:
         self.log.close()
 
 
-@pytest.fixture
-def server(tmp_path):
-    server = Server(tmp_path / "server.log")
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # One server for both modes: its start (an interpreter importing torch) is paid once.
+    server = Server(tmp_path_factory.mktemp("server") / "server.log")
     yield server
     server.close()
 

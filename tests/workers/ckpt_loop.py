@@ -117,6 +117,11 @@ def run(args: argparse.Namespace) -> None:
         saver.run_event(kiln.Event.FIT_END, state, None)
     except SystemExit as exc:  # the preemption exit, status 75
         if exc.code:
+            # The checkpoint is committed and this rank's status decided. kiln's handler is gone
+            # (Preempted uninstalls it), so the SIGTERM with which a launcher (torchrun's agent,
+            # tests/distributed.py's fork jobs) stops the ranks left once a peer has exited 75
+            # would kill this one by the signal (-15) while the interpreter shuts down.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             raise
     final = kiln.parallel.state.dcp_state.get_state_dict(engine.model, optimizer, full=True)
     torch.save(
