@@ -1,5 +1,10 @@
 """`kiln train`: help, --print-config round trip, one-line errors before anything exists, and real
-runs of the example config on two processes (checkpoint every step, resume, per-token-mean)."""
+runs of the example config on two processes (checkpoint every step, resume, per-token-mean).
+
+The two-process runs are the ranks of `kiln train ... --nproc-per-node 2` after its relaunch, forked
+from the warm server (tests/distributed.py: fork_train): what they check is the training, not the
+launcher. The whole command, launcher included, runs in tests/test_hygiene.py (examples/mlp.yaml
+on 2 processes); its errors before torchrun starts as a process here."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from distributed import ROOT, WORKERS, base_env, check
+from distributed import ROOT, WORKERS, base_env, check, fork_train
 
 sys.path[:0] = [str(ROOT), str(WORKERS)]
 
@@ -209,11 +214,8 @@ def _losses(log: Path) -> dict[int, float]:
 def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
     folder = tmp_path / "ck"
     common = [
-        "train",
         "-f",
         "examples/mlp.yaml",
-        "--nproc-per-node",
-        "2",
         "--checkpoint.save_dir",
         str(folder),
         "--checkpoint.keep_last_n_checkpoints",
@@ -223,7 +225,7 @@ def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
         "--log.0.type",
         "file",
     ]
-    check(_kiln(*common, "--max_train_steps", "5", "--log.0.args.path", str(tmp_path / "full.jsonl")))
+    check(fork_train(*common, "--max_train_steps", "5", "--log.0.args.path", str(tmp_path / "full.jsonl"), cwd=ROOT))
     full = _losses(tmp_path / "full.jsonl")
     assert sorted(full) == [1, 2, 3, 4, 5] and os.readlink(folder / "last") == "ep0-ba5"
     best = os.readlink(folder / "best")
@@ -236,7 +238,7 @@ def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
         os.remove(folder / link)
     os.symlink("ep0-ba3", folder / "last")
     check(
-        _kiln(
+        fork_train(
             *common,
             "--checkpoint.resume_from",
             "last",
@@ -244,6 +246,7 @@ def test_example_on_two_processes_then_resume_two_more_steps(tmp_path):
             "5",
             "--log.0.args.path",
             str(tmp_path / "resumed.jsonl"),
+            cwd=ROOT,
         )
     )
     resumed = _losses(tmp_path / "resumed.jsonl")
@@ -275,9 +278,7 @@ def test_per_token_mean_over_two_ranks_matches_hand_computation(tmp_path):
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     record = tmp_path / "record.pt"
-    check(
-        _kiln("train", "-f", str(tmp_path / "run.yaml"), "--nproc-per-node", "2", env={"KILN_TEST_RECORD": str(record)})
-    )
+    check(fork_train("-f", str(tmp_path / "run.yaml"), cwd=tmp_path, env={"KILN_TEST_RECORD": str(record)}))
     saved = torch.load(record, weights_only=True)
     model = cli_models.TokenModel()
     model.load_state_dict(saved["params"][0])
