@@ -1,5 +1,6 @@
 """FSDP2 and tensor parallelism inside replica groups (issue 24, item 3: "any strategy inside a
-group"): two groups of two ranks, each a real `kiln run -n 2`, joined by `kiln lighthouse` (torchft).
+group"): two groups of two ranks, joined by `kiln lighthouse` (torchft). The ranks and the Lighthouse
+are forked from the warm server (tests/distributed.py), each rank as `kiln run -n 2` starts it.
 
 Under FSDP the groups read disjoint quarters of the data (2 groups x 2 ranks); under TP both ranks of
 a group read the same batch, so halves. The groups average their sharded gradients across groups and
@@ -11,14 +12,15 @@ all ranks read, within 1e-12 (float64 SGD; measured 2.8e-17 for FSDP). Averaging
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, base_env, free_port, lighthouse_job
+from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
 
 pytest.importorskip("torchft")
 
@@ -26,22 +28,59 @@ STEPS, SAMPLES, BATCH = 6, 256, 4
 SHARES = {"fsdp": 4, "tp": 2}  # the data's shares: 2 groups x the data-parallel ranks of a group
 
 
+class _Forked:
+    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
+    ranks are), ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank, with torchrun's
+    variables in ``env``. The launcher is not what this module tests (tests/test_cli_run.py and
+    tests/test_fault_tolerance_kill.py launch real ones): a `kiln run -n 2` per group and a
+    `kiln lighthouse` cost ~24 CPU-s of fresh interpreters' imports each."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
+        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
+        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
+        self._proc.start()
+
+    def wait(self, timeout: float) -> int | None:
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def stop(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self._proc.pid, sig)
+            self._proc.join(30)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+
+
 @pytest.fixture(scope="module", params=["fsdp", "tp"])
 def groups(request, tmp_path_factory):
     strategy = request.param
     folder = tmp_path_factory.mktemp(f"ft_{strategy}")
-    with lighthouse_job(min_replicas=2) as (address, procs):
+    port = free_port()
+    cmd = ["-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port), "--join-timeout", "5"]
+    cmd += ["--heartbeat-timeout", "5", "--quorum-tick", "0.05"]
+    lighthouse = _Forked(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
+    ranks = []
+    try:
         for group in range(2):
-            cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", "--master-port", str(free_port())]
-            cmd += [str(WORKERS / "ft_fsdp_group.py"), str(group), address, str(folder), strategy]
-            procs.append(
-                subprocess.Popen(cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
-        done = [proc.communicate(timeout=300) for proc in procs]
-        for proc, (_, err) in zip(procs, done):
-            assert proc.returncode == 0, err[-4000:]
-        records = [json.loads(line) for out, _ in done for line in out.splitlines() if line.startswith("{")]
+            master = str(free_port())
+            for rank in range(2):
+                env = {**base_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+                env.update(LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master)
+                script = [str(WORKERS / "ft_fsdp_group.py"), str(group), f"http://127.0.0.1:{port}", str(folder)]
+                name = folder / f"g{group}-r{rank}"
+                ranks.append(_Forked([*script, strategy], env, name.with_suffix(".out"), name.with_suffix(".err")))
+        for proc, name in zip(ranks, ("g0-r0", "g0-r1", "g1-r0", "g1-r1")):
+            code = proc.wait(timeout=300)
+            assert code == 0, f"{name}: exit {code}\n{(folder / f'{name}.err').read_text()[-4000:]}"
+        outs = [(folder / f"g{g}-r{r}.out").read_text() for g in range(2) for r in range(2)]
+        records = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
         yield folder, records, strategy
+    finally:
+        for proc in ranks:
+            proc.stop(signal.SIGKILL)
+        lighthouse.stop(signal.SIGTERM)
 
 
 def _one_process(shares: int) -> dict[str, torch.Tensor]:
