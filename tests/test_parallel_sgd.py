@@ -28,6 +28,9 @@ accum2 case outside a pipeline fails (ddp, zero1, zero2, zero3, tp, hybrid_fsdp_
 gradients off by 0.27, 1.0 relative; weights by 0.24); without it in the pipeline path (the scale
 ``Engine.backward`` hands the schedule) every pipeline accum2 case fails by the same amounts; a
 doubled clip coefficient fails every clip case (applied gradients off by 1.0e-2, weights 6.1e-3).
+With accumulation and clipping in one run (accum2_clip), the loss scale dropped (``Engine``'s
+``_loss_scale = None``) ddp and pp_1f1b fail it by 0.27 in the first step's gradients and 2x in
+every norm (and 3.7e-9 in the applied gradients, which clipping mostly rescales).
 """
 
 from __future__ import annotations
