@@ -14,6 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread in each pytest process (the environment, which subprocesses inherit, is left
+# as it is; tests/distributed.py gives every rank OMP_NUM_THREADS=1). The suite's models are tiny and
+# `make test` runs one pytest worker per core: with torch's default of one thread per core, OpenMP's
+# threads spin-wait for each other on the oversubscribed cores, and the in-process tests cost 2.5x
+# the CPU (tests/test_algorithms_resume.py: 52 CPU-s, 21 with one thread).
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
