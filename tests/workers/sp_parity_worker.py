@@ -5,9 +5,11 @@ Each rank computes the one-process reference itself with a plain torch loop (no 
 global batch; the case trains the same model with kiln's Engine (the model's own loss), each rank
 reading its data-parallel share of each micro-step, and compares the per-step losses, the first
 step's gradients (DTensor shards gathered), the weights after STEPS steps and, when clipping, each
-step's global gradient norm. Variants: gradient accumulation over 2 micro-steps, and clipping
-(CLIP is below every step's norm, so every step clips); the pipelines (a Hugging Face Llama cut
-into 4 stages, 1F1B, and into 8, interleaved, on 4 ranks) run both at once.
+step's global gradient norm. Every case runs gradient accumulation over 2 micro-steps and clipping
+(CLIP is below every step's norm, so every step clips) at once, variant ``accum2_clip``
+(SP_PARITY_VARIANTS=accum2,clip runs them apart instead). The one-process references are computed
+by rank 0 once per (model, clipping) and saved in SP_PARITY_REFS (default OUT), which the test's
+launches share, then sent to every rank.
 
 The first forward of every case also records what runs where (forward hooks and a dispatch mode):
 the placements of the row-wise projections' outputs (a reduce-scatter leaves ``Shard(1)``), of the
@@ -29,7 +31,7 @@ import kiln
 from kiln.parallel import Hybrid, Pipeline, TensorParallel, full_model_state_dict
 
 LR, CLIP, STEPS, GLOBAL_BATCH = 0.5, 0.05, 3, 8
-# (gradient_accumulation, clip_grad_norm); accumulation covers the plain step too
+# (gradient_accumulation, clip_grad_norm)
 VARIANTS = {"accum2": (2, None), "clip": (1, CLIP), "accum2_clip": (2, CLIP)}
 # positions whose label is IGNORE_INDEX: the first IGNORED of every sequence, so every micro-batch
 # counts as many tokens and the mean of the micro-batch means is the global token mean
@@ -262,19 +264,35 @@ def run_case(name, accum, clip, ref):
     return result
 
 
+def shared_reference(family, clip, refs_dir):
+    """The one-process reference of (family, clip): computed once, by rank 0 of the first launch
+    that needs it (saved under ``refs_dir``, which the test's launches share), sent to every rank."""
+    path = os.path.join(refs_dir, f"ref_{family}_{clip}.pt")
+    box = [None]
+    if dist.get_rank() == 0:
+        if os.path.exists(path):
+            box[0] = torch.load(path, weights_only=True)
+        else:
+            box[0] = reference(family, clip)
+            torch.save(box[0], path)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main():
     out, cases = sys.argv[1], sys.argv[2:]
     ctx = kiln.launch_from_torch(seed=0)
-    variants = os.environ.get("SP_PARITY_VARIANTS", "accum2,clip").split(",")
+    # every case runs accumulation over 2 micro-steps and clipping at once (tests/test_sequence_parallel.py)
+    variants = os.environ.get("SP_PARITY_VARIANTS", "accum2_clip").split(",")
+    refs_dir = os.environ.get("SP_PARITY_REFS", out)
     refs, results = {}, {}
     for name in cases:
         family = CASES[name][0]
         results[name] = {}
-        # a pipeline runs both at once: its microbatches are a third way of cutting the batch
-        for variant in ["accum2_clip"] if name in PIPELINES else variants:
+        for variant in variants:
             accum, clip = VARIANTS[variant]
             if (family, clip) not in refs:
-                refs[family, clip] = reference(family, clip)
+                refs[family, clip] = shared_reference(family, clip, refs_dir)
             start = time.perf_counter()
             results[name][variant] = run_case(name, accum, clip, refs[family, clip])
             results[name][variant]["seconds"] = time.perf_counter() - start
