@@ -1,6 +1,7 @@
 """The config CLI under replica fault tolerance (issue 24, item 3: "and the YAML key"), end to end:
 `kiln lighthouse` and two replica groups, each `kiln train -f examples/mlp.yaml --nproc-per-node 2`
-with the `fault_tolerance.*` keys, in working directories of their own.
+with the `fault_tolerance.*` keys, in working directories of their own: each group's two ranks are
+forked from the warm server (tests/distributed.py), each running what the command's relaunch runs.
 
 Both groups commit every step and finish, their output free of torchft's per-step INFO lines and of
 its other messages (no flight-recorder line, no checkpoint server access line); only
@@ -12,40 +13,81 @@ equal at every step).
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
-import sys
+import signal
+from pathlib import Path
 
 import pytest
 
-from distributed import ROOT, base_env, lighthouse_job
+from distributed import ROOT, _fork_rank, _forkserver, base_env, free_port
 
 pytest.importorskip("torchft")
+
+
+class _Forked:
+    """A rank forked from the pytest worker's warm server (tests/distributed.py: what fork_train's
+    ranks are): ``python -m kiln.launch.worker CMD`` in ``cwd``, with torchrun's variables in
+    ``env``, as `kiln train --nproc-per-node 2` relaunches itself through `kiln run`. The launcher is
+    not what this module tests (tests/test_cli_run.py launches real ones); the config CLI's keys,
+    sampler and output are, and they are the ranks'. The Lighthouse is forked the same way."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path | None = None) -> None:
+        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
+        where = None if cwd is None else str(cwd)
+        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), where))
+        self._proc.start()
+
+    def wait(self, timeout: float) -> int | None:
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def stop(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self._proc.pid, sig)
+            self._proc.join(30)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
 
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ft_cli")
     env = {**base_env(), "PYTHONPATH": f"{ROOT}:{base_env()['PYTHONPATH']}"}  # the run file names examples.*
-    with lighthouse_job(min_replicas=2) as (address, procs):
+    port = free_port()
+    cmd = ["-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port), "--join-timeout", "5"]
+    cmd += ["--heartbeat-timeout", "5", "--quorum-tick", "0.05"]
+    lighthouse = _Forked(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
+    ranks = []
+    try:
         for group in range(2):
             (folder / f"g{group}").mkdir()
-            cmd = [sys.executable, "-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / "mlp.yaml")]
-            cmd += ["--nproc-per-node", "2", "--max_train_steps", "4"]
-            cmd += [
-                "--fault_tolerance.lighthouse",
-                address,
-                "--fault_tolerance.hostname",
-                "127.0.0.1",
-            ]
+            # what each rank of `kiln train ... --nproc-per-node 2` runs after the relaunch
+            cmd = ["-m", "kiln.cli.main", "train", "-f", str(ROOT / "examples" / "mlp.yaml"), "--max_train_steps", "4"]
+            cmd += ["--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}"]
+            cmd += ["--fault_tolerance.hostname", "127.0.0.1"]
             cmd += ["--fault_tolerance.replica_group", str(group), "--fault_tolerance.num_replica_groups", "2"]
-            procs.append(
-                subprocess.Popen(
-                    cmd, cwd=folder / f"g{group}", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
+            master = str(free_port())
+            for rank in range(2):
+                torchrun = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+                torchrun.update(GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master)
+                name = folder / f"g{group}-r{rank}"
+                out, err = name.with_suffix(".out"), name.with_suffix(".err")
+                ranks.append(_Forked(cmd, {**env, **torchrun}, out, err, cwd=folder / f"g{group}"))
+        codes = [proc.wait(timeout=300) for proc in ranks]
+        results = []
+        for group in range(2):  # each group's ranks' output in rank order, as fork_train gives it
+            code = next((c for c in codes[2 * group : 2 * group + 2] if c != 0), 0)
+            out, err = (
+                "".join((folder / f"g{group}-r{r}.{kind}").read_text() for r in range(2)) for kind in ("out", "err")
             )
-        done = [proc.communicate(timeout=300) for proc in procs]
-        yield folder, [(proc.returncode, out, err) for proc, (out, err) in zip(procs, done)]
+            results.append((code, out, err))
+        yield folder, results
+    finally:
+        for proc in ranks:
+            proc.stop(signal.SIGKILL)
+        lighthouse.stop(signal.SIGTERM)
 
 
 def _losses(out: str) -> dict[int, str]:
