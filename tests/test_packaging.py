@@ -2,8 +2,13 @@
 (no system site-packages) and runs `kiln --help`; its metadata and contents are what we publish.
 
 The build runs on a copy of the files a wheel is made from, so nothing (build/, *.egg-info) is
-written into the repository. torch comes from the machine's pinned CPU wheel (as the Makefile
-installs it), the other dependencies from the index: about a minute in all.
+written into the repository. It builds without isolation, with the setuptools of the running
+environment (checked against pyproject's build-system requirement): an isolated build would first
+install setuptools into a build environment of its own, for no more proof about the wheel. torch
+comes from the machine's pinned CPU wheel (as the Makefile installs it), the other dependencies
+from the index; pip installs without byte-compiling (the compile of every torch module was most of
+the test's CPU; the interpreters that import them compile what they import), and the venv gets no
+pip of its own (the running environment's pip installs into it with --python).
 """
 
 from __future__ import annotations
@@ -107,7 +112,14 @@ def test_wheel_installs_in_a_fresh_venv_and_runs(tmp_path):
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     dist = tmp_path / "dist"
-    _run(sys.executable, "-m", "build", "--wheel", "--outdir", dist, source, timeout=300)
+    # Built without isolation, so the setuptools here must be one pyproject's build-system allows.
+    from importlib.metadata import version as installed_version
+
+    from packaging.requirements import Requirement
+
+    for requirement in map(Requirement, _pyproject()["build-system"]["requires"]):
+        assert requirement.specifier.contains(installed_version(requirement.name)), requirement
+    _run(sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist, source, timeout=300)
     (wheel,) = dist.glob("*.whl")
     version = _version()
     assert wheel.name == f"kiln_train-{version}-py3-none-any.whl"
@@ -124,12 +136,13 @@ def test_wheel_installs_in_a_fresh_venv_and_runs(tmp_path):
 
     # A fresh environment: no system site-packages, so the wheel's declared dependencies must do.
     venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", venv)
+    _run(sys.executable, "-m", "venv", "--without-pip", venv)
     python, kiln = venv / "bin" / "python", venv / "bin" / "kiln"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    # torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build (Makefile's note).
-    _run(python, "-m", "pip", "install", "--quiet", "torch==2.13.0", env=env)
-    _run(python, "-m", "pip", "install", "--quiet", wheel, env=env)
+    # torch pinned in the same resolve: an unpinned one would pull a multi-GB CUDA build (Makefile's
+    # note). --no-compile: no .pyc for the thousands of modules nothing here imports.
+    pip = (sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-compile")
+    _run(*pip, "torch==2.13.0", wheel, env=env)
 
     assert _run(kiln, "--help", cwd=tmp_path, env=env).stdout.startswith("usage: kiln")
     assert _run(kiln, "--version", cwd=tmp_path, env=env).stdout.strip() == f"kiln {version}"
