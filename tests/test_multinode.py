@@ -5,7 +5,8 @@ module-scoped setup runs each drill once and the tests read what it left:
 
 * two nodes of one process each (`--nnodes 2`) train the Trainer job of tests/workers/elastic_nodes.py
   with checkpoints; a single launcher `-n 2` runs the same job; the losses are equal, bit for bit.
-  The same for a config-CLI job (examples/mlp.yaml).
+  The same for a config-CLI job (examples/mlp.yaml), run by the same two launches' ranks after the
+  first job (elastic_nodes.py --then): one pair of launches for both.
 * an elastic job (`--nnodes 1:2 --max-restarts 3`): one node's `kiln run` is SIGKILLed after batch
   5 (the checkpoint at batch 4 is the last complete one); the other node re-rendezvouses alone,
   restarts at world size 1 and resumes from batch 4 (DCP reshards the 2-rank checkpoint). At batch
@@ -145,19 +146,16 @@ def drills(tmp_path_factory):
     runs = {name: tmp / name for name in names}
     for path in runs.values():
         path.mkdir()
-    # 1. two nodes x 1 process against one launcher x 2 processes
+    # 1. two nodes x 1 process against one launcher x 2 processes; then, in the same launch (its
+    # ranks and group), the same for a config-CLI job (examples/mlp.yaml: 2 ranks, a checkpoint
+    # every step): one pair of launches for both, as a launch costs ~24 CPU-s of interpreters
     port = free_port()
-    pair = _start_pair(port, runs["two_nodes"], tmp, "2", script_args=("--duration", "8ba"))
+    then = ("--then", *_cli_job(runs["cli_two_nodes"])[2:])
+    pair = _start_pair(port, runs["two_nodes"], tmp, "2", script_args=("--duration", "8ba", *then))
     _wait([p for p, _ in pair], 240, [log for _, log in pair])
     for proc, log in pair:
         assert proc.returncode == 0, log.read_text()[-4000:]
     check(fork_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", timeout=240))  # the reference: 2 ranks
-    # the same for a config-CLI job (examples/mlp.yaml: 2 ranks, a checkpoint every step)
-    port = free_port()
-    pair = _start_pair(port, runs["cli_two_nodes"], tmp, "2", target=_cli_job(runs["cli_two_nodes"]))
-    _wait([p for p, _ in pair], 240, [log for _, log in pair])
-    for proc, log in pair:
-        assert proc.returncode == 0, log.read_text()[-4000:]
     check(fork_run("kiln.cli.main", *_cli_job(runs["cli_one_node"])[2:], module=True, timeout=240, cwd=ROOT))
     # 2. an elastic job loses a node and goes on alone, then takes a node in again
     return runs, _elastic_drill(tmp, runs)

@@ -8,7 +8,8 @@ node's agent dies; the parent-death signal takes the worker with it).
 --hold-at N: while the world has one rank, wait at the end of batch N until a SIGTERM comes (the
 agent stopping the worker group to take a returning node in; at most 120 s), after a "hold" line
 that tells the test to start that node. The Trainer's preemption handler then checkpoints batch N.
-The goodput account (OUT/ckpt.goodput.json) is written at every step: the test reads its last records."""
+The goodput account (OUT/ckpt.goodput.json) is written at every step: the test reads its last records.
+--then ARGS...: then `kiln ARGS` in the same ranks and process group (a second job of one launch)."""
 
 import argparse
 import json
@@ -27,6 +28,9 @@ parser.add_argument("out")
 parser.add_argument("--kill-agent-at", type=int, default=None)
 parser.add_argument("--hold-at", type=int, default=None)
 parser.add_argument("--duration", default="16ba")
+# --then ARGS...: once this job has ended, the same ranks run `kiln ARGS` (kiln's config CLI, say) in
+# the same process group: a second job for the price of no second launch
+parser.add_argument("--then", nargs=argparse.REMAINDER, default=None)
 opts = parser.parse_args()
 
 ctx = kiln.launch_from_torch()
@@ -100,5 +104,13 @@ line(event="start", batch=trainer.state.timestamp.batch.value, time=time.time())
 trainer.fit()
 weights = kiln.parallel.full_model_state_dict(trainer.engine.model)
 line(event="end", weights={k: v.tolist() for k, v in weights.items()})
+if opts.then:
+    import kiln.cli.main
+
+    trainer.close()
+    os.close(log)
+    code = kiln.cli.main.main(opts.then)
+    if code:
+        raise SystemExit(code)
 if torch.distributed.is_initialized():  # a world of one has no group
     torch.distributed.destroy_process_group()
