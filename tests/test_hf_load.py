@@ -7,7 +7,8 @@ Mixtral (per-expert files fused into one weight on load) and a bf16 Llama (the d
 config) are compared under single, ddp, zero3, tp (sequence and loss parallel, kiln's default for
 the Llama family), fsdp x tp (``Hybrid(dp_shard=2, tp=2)``) and a 2-stage pipeline
 (tests/workers/hf_load_worker.py); expert parallelism refuses the transformers Mixtral in one line.
-One launch per world size runs every case of that size (a launch costs more than the loads).
+One launch per world size runs every case of that size (a launch costs more than the loads): the
+2-rank one, which the 2-rank tests read, is a module fixture.
 """
 
 from __future__ import annotations
@@ -77,10 +78,21 @@ def test_single_process(saved: Path) -> None:
     _passed(fork_run(WORKER, str(saved), "single", nproc=1, timeout=240), "single", 1)
 
 
-def test_two_ranks(saved: Path) -> None:
-    """ddp, zero3 and tp in one launch; ``Hybrid(dp_shard=2, ep=2)`` refuses the transformers
-    Mixtral before any collective, in one line that names ep, what it splits and the fix."""
-    result = fork_run(WORKER, str(saved), "ddp", "zero3", "tp", "ep:mixtral", nproc=2, timeout=240)
+@pytest.fixture(scope="module")
+def two_ranks(saved: Path) -> subprocess.CompletedProcess:
+    """ddp, zero3, tp, ep (the Mixtral) and the pipeline (the Llama family), in one 2-rank launch."""
+    # a pipeline traces each model (slow on a CPU): the untied and the tied-embedding Llama family
+    cases = ("ddp", "zero3", "tp", "ep:mixtral", "pp:" + "+".join(PIPELINE_MODELS))
+    return fork_run(WORKER, str(saved), *cases, nproc=2, timeout=300)
+
+
+PIPELINE_MODELS = ("llama", "qwen2")
+
+
+def test_two_ranks(two_ranks: subprocess.CompletedProcess) -> None:
+    """ddp, zero3 and tp; ``Hybrid(dp_shard=2, ep=2)`` refuses the transformers Mixtral before any
+    collective, in one line that names ep, what it splits and the fix."""
+    result = two_ranks
     for strategy in ("ddp", "zero3", "tp"):
         _passed(result, strategy, 2)
     refusals = re.findall(r"^REFUSED mixtral ep (.*)$", result.stdout, re.M)
@@ -94,10 +106,8 @@ def test_two_ranks(saved: Path) -> None:
     ), result.stdout
 
 
-def test_pipeline_two_stages(saved: Path) -> None:
-    # a pipeline traces each model (slow on a CPU): the untied and the tied-embedding Llama family
-    names = ("llama", "qwen2")
-    _passed(fork_run(WORKER, str(saved), "pp:" + "+".join(names), nproc=2, timeout=240), "pp", 2, names)
+def test_pipeline_two_stages(two_ranks: subprocess.CompletedProcess) -> None:
+    _passed(two_ranks, "pp", 2, PIPELINE_MODELS)
 
 
 def test_four_ranks(saved: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ the whole state (parameters, persistent and non-persistent buffers) and compares
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -117,6 +118,12 @@ def refused(name: str, case: str) -> None:
     raise AssertionError(f"{name} under {case} loaded; expected a refusal")
 
 
+@functools.cache
+def transformers_model(name: str):
+    """transformers' own from_pretrained of the model: the same for every case of a launch, read once."""
+    return AutoModelForCausalLM.from_pretrained(str(FOLDER / name))
+
+
 def compare(name: str, case: str) -> None:
     folder = FOLDER / name
     model = HuggingFaceModel.from_pretrained(str(folder))
@@ -125,7 +132,7 @@ def compare(name: str, case: str) -> None:
     if case in ("tp", "hybrid"):
         check_sequence_parallel(engine, name)
     got = full_state(engine, case)
-    want_model = AutoModelForCausalLM.from_pretrained(str(folder))
+    want_model = transformers_model(name)
     if case != "pp":  # tied weights stay one parameter (the stages of a pipeline are traced copies)
         ties = shared_names(engine.strategy.unwrap(engine.model), prefix="model.")
         assert ties == shared_names(want_model), f"{name}: tied {ties}, transformers {shared_names(want_model)}"
