@@ -1,5 +1,7 @@
 """Timeouts: ``timeout=`` on every launcher and in the config CLI, and the one line naming a rank
-that did not arrive (kiln.launch.heartbeat)."""
+that did not arrive (kiln.launch.heartbeat). Real stuck ranks: a Trainer's under `kiln run` (whose
+summary is the line), a plain Engine loop's on one and on two nodes forked from the warm server
+(tests/distributed.py) with torchrun's variables (the line is the rank's own)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import kiln
-from distributed import WORKERS, base_env
+from distributed import WORKERS, base_env, fork_ranks, fork_run
 from kiln.launch.heartbeat import _KEY, CollectiveTimeout, Heartbeat, is_timeout
 
 LAUNCHERS = {
@@ -125,7 +127,15 @@ def test_only_c10d_timeouts_are_explained():
 
 
 # -- a real stuck rank ----------------------------------------------------------------------------
-@pytest.mark.timeout(120)
+def _warm_forkserver(folder) -> None:
+    """Fork one empty rank first: the clock is the job's, not the start of the warm server (once per
+    pytest worker: torch and kiln imported, a minute or more on a loaded machine)."""
+    empty = folder / "empty.py"
+    empty.write_text("")
+    fork_ranks(empty, lambda r: {}, nproc=1, timeout=60)
+
+
+@pytest.mark.timeout(400)  # the warm server's start included, when this is the worker's first fork
 @pytest.mark.parametrize(
     "loop, timeout, events",
     [
@@ -136,24 +146,35 @@ def test_only_c10d_timeouts_are_explained():
     ],
     ids=["trainer", "engine"],
 )
-def test_a_rank_that_stops_is_named_within_the_timeout(loop, timeout, events):
+def test_a_rank_that_stops_is_named_within_the_timeout(tmp_path, loop, timeout, events):
     """Rank 1 sleeps at batch 5; the job ends within the timeout and a little, failed, with one line
-    naming rank 1 and each rank's last event: raised by the Trainer, printed for a plain Engine loop.
-    The job runs in its own process group, killed whole if it outlives the test's patience (torchrun
-    would otherwise leave the sleeping rank behind)."""
-    cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(WORKERS / "stuck_rank.py"), str(timeout), loop]
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    naming rank 1 and each rank's last event: raised by the Trainer (the line is `kiln run`'s summary
+    of rank 0's failure: a real launch, in its own process group, killed whole if it outlives the
+    test's patience, as torchrun would otherwise leave the sleeping rank behind), printed by rank 0
+    for a plain Engine loop (the line is the rank's own: the ranks are forked from the warm server
+    with torchrun's variables, and once rank 0 has failed the others are stopped, as torchrun's
+    agent does)."""
+    if loop == "trainer":
+        cmd = [sys.executable, "-m", "kiln.cli.main", "run", "-n", "2", str(WORKERS / "stuck_rank.py"), str(timeout)]
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [*cmd, loop], env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        code = proc.returncode
+    else:
+        _warm_forkserver(tmp_path)
+        start = time.monotonic()
+        result = fork_run(WORKERS / "stuck_rank.py", str(timeout), loop, timeout=90)
+        out, code = result.stdout + result.stderr, result.returncode
     seconds = time.monotonic() - start
-    assert proc.returncode != 0, out[-4000:]
+    assert code != 0, out[-4000:]
     assert seconds < timeout + 40, f"took {seconds:.0f} s\n{out[-4000:]}"
     lines = [line for line in out.splitlines() if "did not arrive within" in line]
     assert len(lines) == 1, out[-4000:]
@@ -181,34 +202,21 @@ def test_in_a_multi_node_job_the_ranks_that_did_not_arrive_are_named_with_node_a
     )
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)  # the warm server's start included, when this is the worker's first fork
 def test_a_stuck_rank_on_another_node_is_named_with_its_node_and_host(tmp_path):
     """Two real processes as torchrun starts them on two nodes of one process each (GROUP_RANK 0
     and 1, GROUP_WORLD_SIZE 2): rank 1 stops at step 5; rank 0's line names rank 1's node and host."""
     from distributed import free_port
 
     port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **base_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        }  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKERS / "stuck_rank.py"), "3", "engine"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )  # fmt: skip
-        )
-    try:
-        out, _ = procs[0].communicate(timeout=90)
-    finally:
-        procs[1].kill()  # asleep at step 5 for minutes
-        procs[1].communicate()
-    assert procs[0].returncode != 0, out[-4000:]
+    env = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    # forked from the warm server; once rank 0 has failed, rank 1 (asleep at step 5) is stopped
+    results = fork_ranks(
+        WORKERS / "stuck_rank.py", lambda r: {**env, "RANK": r, "GROUP_RANK": r}, args=("3", "engine"), timeout=90
+    )
+    out = results[0].stdout + results[0].stderr
+    assert results[0].returncode != 0, out[-4000:]
     lines = [line for line in out.splitlines() if "did not arrive within" in line]
     host = re.escape(socket.gethostname())
     assert len(lines) == 1 and re.fullmatch(
