@@ -1,4 +1,7 @@
-"""Launch layer: configs, context, environment errors, and real 2-process groups per launcher."""
+"""Launch layer: configs, context, environment errors, and 2-process groups per launcher: the ranks
+forked from the warm server (tests/distributed.py) with the variables torchrun (as `kiln run` sets
+them), srun and mpirun set; a real `kiln run` only for the test helper's own hang handling (the
+launch functions under a real `kiln run`: tests/test_clean_exit.py, tests/test_one_traceback.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 import kiln
-from distributed import WORKERS, check, free_port, kiln_run, run_ranks
+from distributed import WORKERS, check, fork_ranks, fork_run, free_port, kiln_run
 from kiln.launch.environments import from_openmpi, from_slurm, from_torchrun
 
 
@@ -112,8 +115,8 @@ def _read(tmp_path, n=2):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def test_launch_from_torch_two_processes_via_kiln_run(tmp_path):
-    check(kiln_run(WORKERS / "launch_worker.py", "torch", str(tmp_path)))
+def test_launch_from_torch_two_processes(tmp_path):
+    check(fork_run(WORKERS / "launch_worker.py", "torch", str(tmp_path)))  # torchrun's variables
     ranks = _read(tmp_path)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(r["world"] == 2 and r["sum"] == 3.0 and r["backend"] == "gloo" and r["name"] == "x" for r in ranks)
@@ -121,7 +124,7 @@ def test_launch_from_torch_two_processes_via_kiln_run(tmp_path):
 
 def test_launch_from_slurm_two_processes(tmp_path):
     port = free_port()
-    results = run_ranks(
+    results = fork_ranks(
         WORKERS / "launch_worker.py",
         lambda r: {"SLURM_PROCID": r, "SLURM_NTASKS": 2, "SLURM_LOCALID": r},
         args=("slurm", str(tmp_path), str(port)),
@@ -133,7 +136,7 @@ def test_launch_from_slurm_two_processes(tmp_path):
 
 def test_launch_from_openmpi_two_processes(tmp_path):
     port = free_port()
-    results = run_ranks(
+    results = fork_ranks(
         WORKERS / "launch_worker.py",
         lambda r: {"OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_SIZE": 2, "OMPI_COMM_WORLD_LOCAL_RANK": r},
         args=("openmpi", str(tmp_path), str(port)),
