@@ -1,11 +1,11 @@
-"""`kiln run`: torchrun arguments, and clear exits on bad input."""
+"""`kiln run`: torchrun arguments, and clear exits on bad input (refused in this process, before any\nworker starts); a real launch for a worker's non-zero status."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from kiln.cli.main import build_parser
+from kiln.cli.main import build_parser, main
 from kiln.cli.run import torchrun_args
 
 
@@ -69,19 +69,30 @@ def _kiln(*argv):
     return subprocess.run([sys.executable, "-m", "kiln.cli.main", *argv], capture_output=True, text=True, timeout=60)
 
 
-def test_missing_script_exits_2_with_one_line(tmp_path):
-    result = _kiln("run", "-n", "2", str(tmp_path / "nope.py"))
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def _kiln_here(monkeypatch, capsys, *argv):
+    """`kiln ARGV`'s exit status and stderr, in this process: bad input is refused before torchrun or
+    any worker starts, by the ``main`` that ``python -m kiln.cli.main`` exits with."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working directory on it
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_missing_script_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    code, err = _kiln_here(monkeypatch, capsys, "run", "-n", "2", str(tmp_path / "nope.py"))
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"kiln run: script '{tmp_path / 'nope.py'}' does not exist (pass a Python file, or -m for a module)"
     ]
 
 
-def test_bad_process_count_exits_2(tmp_path):
+def test_bad_process_count_exits_2(tmp_path, monkeypatch, capsys):
     script = tmp_path / "s.py"
     script.write_text("print('hi')\n")
-    result = _kiln("run", "-n", "two", str(script))
-    assert result.returncode == 2 and "-n 'two' is not a process count" in result.stderr
+    code, err = _kiln_here(monkeypatch, capsys, "run", "-n", "two", str(script))
+    assert code == 2 and "-n 'two' is not a process count" in err
 
 
 def test_failing_worker_propagates_nonzero_status(tmp_path):
