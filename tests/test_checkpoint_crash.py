@@ -41,7 +41,7 @@ from kiln.checkpoint import layout, load_checkpoint, verify_checkpoint
 from kiln.launch.runlock import LOCK_NAME
 from workers.ckpt_common import build_state
 
-NUM_KILLS = 16  # per mode: each run draws new delays, so runs together cover the phases
+NUM_KILLS = 10  # per mode: each run draws new delays, so runs together cover the phases
 KEEP, WIDTH = 2, 512  # as in the worker
 MAX_DELAY = 0.25  # seconds after the first save: several save cycles, so kills land in every phase
 

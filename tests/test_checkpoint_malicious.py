@@ -106,6 +106,7 @@ CASES = [
 
 @pytest.mark.parametrize("save_type, victim", CASES, ids=[f"{s}-{v}" for s, v in CASES])
 def test_cli_refuses_code_with_one_line(tmp_path, capsys, save_type, victim):
+    in_distcp = victim == "distcp"  # the line then names the entry too
     path, victim, sentinel = _malicious(tmp_path, save_type, victim)
     for command in (
         ["inspect", str(path)],
@@ -116,19 +117,17 @@ def test_cli_refuses_code_with_one_line(tmp_path, capsys, save_type, victim):
         assert main(["checkpoint", *command]) == 1, command
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and victim in err and "run code" in err, (command, err)
+        assert KEY in err or not in_distcp, (command, err)
         assert not sentinel.exists(), f"kiln checkpoint {command[0]} ran the payload"
     assert [p.name for p in tmp_path.iterdir()] == [save_type]  # nothing written, no temporary left
 
 
-@pytest.mark.parametrize("command", ["inspect", "merge", "export"])
-def test_the_kiln_command_refuses_code_in_a_distcp_entry(tmp_path, command):
-    """`python -m kiln.cli.main checkpoint ...` as a user runs it: exit 1, one line, no traceback."""
+def test_the_kiln_command_refuses_code_in_a_distcp_entry(tmp_path):
+    """`python -m kiln.cli.main checkpoint inspect` as a user runs it: exit 1, one line, no traceback.
+    One command in a real process (the entry point's exit status and error printing are shared);
+    merge and export refuse the same entry in test_cli_refuses_code_with_one_line, in this process."""
     path, victim, sentinel = _malicious(tmp_path, "deduped", "distcp")
-    args = {
-        "inspect": [str(path)],
-        "merge": [str(path), str(tmp_path / "m.pt")],
-        "export": [str(path), "--safetensors", str(tmp_path / "w.safetensors")],
-    }[command]
+    command, args = "inspect", [str(path)]
     result = subprocess.run(
         [sys.executable, "-m", "kiln.cli.main", "checkpoint", command, *args],
         env=base_env(),

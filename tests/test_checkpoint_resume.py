@@ -9,13 +9,12 @@ amp_bf16 and an algorithm drawing from python's, numpy's and torch's RNGs.
 from __future__ import annotations
 
 import runpy
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from distributed import WORKERS, base_env, check, fork_ranks, fork_run, free_port
+from distributed import WORKERS, check, fork_ranks, fork_run, free_port
 from kiln.checkpoint import PREEMPTED_EXIT_CODE, verify_checkpoint
 
 LOOP = WORKERS / "ckpt_loop.py"
@@ -33,9 +32,8 @@ def _in_process(out, *args):
 
 
 def _subprocess(out, *args):
-    return subprocess.run(
-        [sys.executable, str(LOOP), str(out), *args], env=base_env(), capture_output=True, text=True, timeout=300
-    )
+    """``python ckpt_loop.py OUT ARGS`` in a process of its own (it dies), forked from the warm server."""
+    return fork_ranks(LOOP, lambda rank: {}, nproc=1, args=(str(out), *args), timeout=300)[0]
 
 
 def _assert_same_final(a, b, ranks=(0,)):

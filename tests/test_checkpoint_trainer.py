@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import runpy
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 import kiln
-from distributed import WORKERS, base_env
+from distributed import WORKERS, fork_ranks
 from kiln.checkpoint import verify_checkpoint
 
 RUN = WORKERS / "ckpt_trainer.py"
@@ -52,13 +51,9 @@ def uninterrupted(tmp_path_factory):
     ids=["mid-epoch", "epoch-boundary"],
 )
 def test_trainer_killed_and_autoresumed_is_bit_exact(tmp_path, uninterrupted, interval, die_after, resumes_from):
-    crashed = subprocess.run(
-        [sys.executable, str(RUN), str(tmp_path), "--interval", interval, "--die-after", str(die_after)],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # `python ckpt_trainer.py ...` in a process of its own (it dies), forked from the warm server
+    args = (str(tmp_path), "--interval", interval, "--die-after", str(die_after))
+    crashed = fork_ranks(RUN, lambda rank: {}, nproc=1, args=args, timeout=300)[0]
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     assert (tmp_path / "ckpt/last").resolve().name == resumes_from
     _in_process(tmp_path, "--interval", interval, "--autoresume")

@@ -4,34 +4,30 @@ dropout, shuffling, AdamW, warmup + cosine, ``grad_accum=2``, ``amp_bf16``, MixU
 augments with python's, numpy's and torch's RNGs (tests/workers/resume_trainer.py).
 
 One run dies mid-epoch (resumes from the checkpoint after batch 3 of epoch 0), the resumed run dies
-again just after an epoch boundary (resumes from the checkpoint at the end of epoch 1), and the third
+again just after an epoch boundary (resumes from the checkpoint at the epoch's end), and the third
 run finishes. Every batch each run trained on must have the uninterrupted run's loss and augmented
 input, and the end state (model, optimizer, scheduler, timestamp, RNG states) must match. The same
 holds with ``DataLoader(num_workers=2)``, whose workers draw the augmentation (on 1 rank, and on 2
 under zero2).
 
-Each kill ends a launch, and each resume starts in a new one; the runs that do not die (the
+Each kill ends a launch (ranks forked from the warm server; on 1 rank a forked ``python
+resume_trainer.py``), and each resume starts in a new one; the runs that do not die (the
 references, the final resumes) ride along in the launch of a run that does, before it.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from distributed import WORKERS, base_env, check, fork_run
+from distributed import WORKERS, check, fork_ranks, fork_run
 
 RUN = WORKERS / "resume_trainer.py"
 
 
 def _launch(argv, nproc):
-    if nproc == 1:
-        return subprocess.run(
-            [sys.executable, str(RUN), *argv], env=base_env(), capture_output=True, text=True, timeout=600
-        )
+    if nproc == 1:  # `python resume_trainer.py ...` (no process group), forked from the warm server
+        return fork_ranks(RUN, lambda rank: {}, nproc=1, args=tuple(argv), timeout=600)[0]
     return fork_run(RUN, *argv, nproc=nproc, timeout=600)
 
 
@@ -110,19 +106,20 @@ def _assert_resumed_exactly(full, crashed, num_batches, nproc, attempts):
         assert_equal(y, x, f"rank {rank} final")
 
 
-# The two 2-rank scenarios: DDP, and ZeRO-2 with loader workers drawing the augmentation.
+# The two 2-rank scenarios: DDP, and ZeRO-2 with loader workers drawing the augmentation; 2 epochs
+# (the second kill lands just after the first epoch's end).
 SCENARIOS = {
-    "ddp": ("--strategy", "ddp", "--workers", "0"),
-    "zero2-workers": ("--strategy", "zero2", "--workers", "2"),
+    "ddp": ("--strategy", "ddp", "--workers", "0", "--epochs", "2"),
+    "zero2-workers": ("--strategy", "zero2", "--workers", "2", "--epochs", "2"),
 }
 
 
 @pytest.fixture(scope="module")
 def two_rank_chains(tmp_path_factory):
-    """Both 2-rank scenarios' runs (killed after batches 4 and 13), in 5 launches rather than 8:
+    """Both 2-rank scenarios' runs (killed after batches 4 and 7), in 5 launches rather than 8:
     the references and the runs that finish share the launches of runs that die."""
     root = tmp_path_factory.mktemp("two_ranks")
-    chains = {name: _chain(root / name, args, kills=[4, 13]) for name, args in SCENARIOS.items()}
+    chains = {name: _chain(root / name, args, kills=[4, 7]) for name, args in SCENARIOS.items()}
     return root, _run_chains(chains, nproc=2)
 
 
@@ -132,8 +129,8 @@ def two_rank_chains(tmp_path_factory):
 def test_two_ranks_killed_mid_epoch_and_at_epoch_boundary_resume_bit_exact(two_rank_chains, scenario):
     root, resumed_from = two_rank_chains
     # 96 samples / (8 per batch * 2 ranks) = 6 batches per epoch; checkpoints at ba3, ba6, ba9, ...
-    assert resumed_from[scenario] == ["ep0-ba3", "ep2-ba12"]  # mid-epoch, then an epoch boundary
-    _assert_resumed_exactly(root / scenario / "full", root / scenario / "crash", 18, 2, attempts=3)
+    assert resumed_from[scenario] == ["ep0-ba3", "ep1-ba6"]  # mid-epoch, then an epoch boundary
+    _assert_resumed_exactly(root / scenario / "full", root / scenario / "crash", 12, 2, attempts=3)
 
 
 @pytest.mark.timeout(600)
