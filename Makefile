@@ -12,10 +12,10 @@ LINT_PATHS := src tests benchmarks examples
 # torch is pinned and installed first: with nothing installed, a looser spec pulls a multi-GB
 # CUDA build; 2.13.0 is the local CPU build here and the default build elsewhere. The distribution
 # was called "kiln" before 0.2.0 (now kiln-train): an old install of it claims the same files.
-# --no-compile: pip byte-compiles every file of every package it installs (torch alone: 48 CPU-s
-# with, 15 without, on one core); Python compiles the modules a process imports on first use
-# instead (+10 CPU-s for torch once, then cached), which on a fresh machine is the smaller part.
-PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
+# pip byte-compiles what it installs (torch: 48 CPU-s on one core; 15 with --no-compile), and that
+# is kept: where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing compiled on
+# import is saved, so without pip's .pyc files every process would compile torch again (+10 CPU-s).
+PIP_INSTALL := $(PY) -m pip install --quiet
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) torch==2.13.0
