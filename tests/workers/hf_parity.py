@@ -1,6 +1,6 @@
 """The tiny Llama (float64) under several strategies in one launch, each against one process.
 
-Usage: kiln run -n 4 hf_parity.py OUT CASE ... Every case trains a fresh ``HuggingFaceModel`` for
+Usage: kiln run -n 4 hf_parity.py OUT CASE ... Every case trains a fresh 2-layer ``HuggingFaceModel`` for
 ``STEPS`` AdamW steps of a ``GLOBAL_BATCH``-sequence batch, each rank reading its data-parallel
 share, then evaluates it: the Trainer cases with ``Trainer.fit``/``Trainer.eval``, the ``engine_``
 cases with the Engine's four-line loop. Each rank also computes the one-process reference itself
@@ -20,11 +20,22 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import kiln
-from hf_common import LAYERS, ByteWindows, batches, make_model
+from hf_common import ByteWindows, batches
+from hf_common import make_model as make_llama
 from kiln.models import LanguagePerplexity
 from kiln.parallel import Hybrid, TensorParallel
 
-STEPS, GLOBAL_BATCH, EVAL_SAMPLES = 4, 8, 8
+# 2 AdamW steps (the second uses the first's optimizer state; the evaluation reads the weights of
+# both updates) of a 2-layer Llama (the pipelines' 2 stages: a layer each): a case's cost is its
+# steps' DTensor and pipeline overheads, per layer, and the traces of the pipelines' stages
+STEPS, GLOBAL_BATCH, EVAL_SAMPLES = 2, 8, 8
+MODEL = {"num_hidden_layers": 2}
+SPLIT = ["model.model.layers.1"]  # in a HuggingFaceModel
+
+
+def make_model(**overrides):
+    return make_llama(**{**MODEL, **overrides})
+
 
 CASES = {
     "ddp": lambda: "ddp",
@@ -34,14 +45,16 @@ CASES = {
     "zero3_tp": lambda: Hybrid(dp_shard=2, tp=2),
     # 2 stages: a Llama's later stages all read the rotary embeddings stage 0 computes, a skip
     # connection torch.distributed.pipelining cannot run backward through (kiln says so)
-    "pp": lambda: Hybrid(pp=2, dp_replicate=2, dp_shard=1, split_points=LAYERS[2:3], microbatches=2),
+    "pp": lambda: Hybrid(pp=2, dp_replicate=2, dp_shard=1, split_points=SPLIT, microbatches=2),
+    # the Engine's loop under Hybrid(dp_shard=2, tp=2) with the model's own loss (no case of
+    # tests/test_hf_models.py any more: tests/test_sequence_parallel.py's llama_fsdp2_tp2 runs it)
     "engine_zero3_tp": lambda: Hybrid(dp_shard=2, tp=2),
     # pp x tp with grouped-query attention (8 heads, 4 key/value heads): the pipeline traces the model
     # as one tensor-parallel rank computes it, so the repeated key/value heads get a rank's counts
     # (kiln.parallel.pipelining.tp_trace); the stages mix tensor-parallel DTensors with plain tensors (the norms),
     # which no foreach step takes. (Full heads take the same path with nothing repeated: the case it
     # replaces, pp_tp_mha, cost the launch as much again.)
-    "pp_tp_gqa": lambda: Hybrid(pp=2, tp=2, split_points=LAYERS[2:3], microbatches=2),
+    "pp_tp_gqa": lambda: Hybrid(pp=2, tp=2, split_points=SPLIT, microbatches=2),
 }
 # The model's config where a case changes it (the reference trains the same model).
 MODEL_OVERRIDES: dict[str, dict] = {}
