@@ -48,7 +48,9 @@ ruff: $(STAMP)
 # ruff first: it fails in seconds, before the DeepSpeed build and the suite. mypy runs beside the
 # suite: from a clean clone (no .mypy_cache) it takes ~145 CPU-s on one core, which alone would leave
 # the other core idle for over two minutes; its output is printed, and its failure fails `make test`,
-# after the suite.
+# after the suite. PYTHONDONTWRITEBYTECODE (set on this project's machines) is cleared for the suite:
+# its ~300 processes would each compile kiln, the tests and their workers from source again (about a
+# CPU-second per `kiln run -n 2`); the .pyc files go to __pycache__ folders git ignores.
 # KILN_TEST_REQUIRE: optional packages (by import name) and tools whose tests must run here rather
 # than skip (tests/conftest.py): deepspeed and every optional package the dev extra installs; a
 # value from the environment is added (.ci/run adds chromium).
@@ -62,7 +64,8 @@ TEST_REQUIRE := $(TEST_OPTIONAL)$(if $(KILN_TEST_REQUIRE),$(comma)$(KILN_TEST_RE
 TEST_WORKERS ?= 2
 test: ruff $(DS_STAMP)
 	@$(PY) -m mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	KILN_TEST_REQUIRE=$(TEST_REQUIRE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; \
+	PYTHONDONTWRITEBYTECODE= KILN_TEST_REQUIRE=$(TEST_REQUIRE) \
+		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; \
 	suite=$$?; wait $$mypy; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
 	test $$suite = 0 && test $$typed = 0
 
