@@ -1,9 +1,11 @@
 """Replica groups of two processes killed in the suite (issue 33, item 4): what the survivors print.
 
-`kiln lighthouse` and two replica groups, each `kiln run -n 2` of DDP ranks
-(tests/workers/ft_ddp_group.py); group 1 runs with ``--max-restarts 1``. Once both groups step
-together, one rank of group 1 is SIGKILLed: torchrun's agent ends the group's other rank and starts
-the group again, and the new processes take group 0's state and rejoin. Then the whole of group 1
+`kiln lighthouse` and two replica groups of two DDP ranks (tests/workers/ft_ddp_group.py): group 1
+a real `kiln run -n 2 --max-restarts 1` (its torchrun agent's restart is under test), group 0's
+ranks and the Lighthouse forked from the warm server (tests/distributed.py) as `kiln run` starts a
+rank (group 0's output is its ranks', in rank order, as its `kiln run` passed it on). Once both
+groups step together, one rank of group 1 is SIGKILLed: torchrun's agent ends the group's other
+rank and starts the group again, and the new processes take group 0's state and rejoin. Then the whole of group 1
 (its agent and both ranks) is SIGKILLed, and group 0 finishes alone.
 
 Group 0, the survivor, must print exactly kiln's three lines (left, rejoined, left) with the steps
@@ -22,15 +24,50 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from distributed import WORKERS, base_env, free_port
+from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
 
 pytest.importorskip("torchft")
 
 DEADLINE = 150.0  # seconds any one phase may take before the test fails with the outputs
 FOREIGN = ("Traceback", "NCCL", "HTTP/1.1", "UserWarning")
+
+
+class _Forked:
+    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
+    ranks are), ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank (with torchrun's
+    variables in ``env``), with the Popen calls the drill makes. Group 1's `kiln run` is real: its
+    torchrun agent's restart is what the drill tests; group 0's launcher and the Lighthouse's
+    interpreter are not (~19 CPU-s of fresh interpreters' imports)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
+        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
+        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +80,12 @@ def killed(tmp_path_factory):
         procs[name] = subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=err)
         return procs[name]
 
+    def fork(name: str, cmd: list[str], torchrun: dict[str, str]) -> _Forked:
+        procs[name] = _Forked(cmd, {**env, **torchrun}, folder / f"{name}.out", folder / f"{name}.err")
+        return procs[name]
+
     def steps() -> list[dict]:
-        lines = (folder / "g0.out").read_text().splitlines()
+        lines = (folder / "g0-r0.out").read_text().splitlines()  # group 0's rank 0 logs its steps
         return [json.loads(line) for line in lines if line.startswith("{")]
 
     def wait_for(what: str, condition) -> None:
@@ -67,16 +108,21 @@ def killed(tmp_path_factory):
 
     try:
         port = free_port()
-        lighthouse = start(
-            "lighthouse",
-            *("-m", "kiln.cli.main", "lighthouse", "--min-replicas", "1", "--port", str(port)),
-            *("--join-timeout", "2", "--heartbeat-timeout", "1", "--quorum-tick", "0.02"),
+        cmd = ["-m", "kiln.cli.main", "lighthouse", "--min-replicas", "1", "--port", str(port)]
+        lighthouse = fork(
+            "lighthouse", [*cmd, "--join-timeout", "2", "--heartbeat-timeout", "1", "--quorum-tick", "0.02"], {}
         )
         address = f"http://127.0.0.1:{port}"
-        for group, extra in ((0, ()), (1, ("--max-restarts", "1"))):
-            run = ("-m", "kiln.cli.main", "run", "-n", "2", *extra, "--master-port", str(free_port()))
-            start(f"g{group}", *run, str(WORKERS / "ft_ddp_group.py"), str(group), address, str(folder))
-        g0, g1 = procs["g0"], procs["g1"]
+        script = [str(WORKERS / "ft_ddp_group.py"), "0", address, str(folder)]
+        master = str(free_port())
+        g0 = [
+            fork(f"g0-r{rank}", script, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                        "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": master})
+            for rank in range(2)
+        ]  # fmt: skip
+        run = ("-m", "kiln.cli.main", "run", "-n", "2", "--max-restarts", "1", "--master-port", str(free_port()))
+        g1 = start("g1", *run, str(WORKERS / "ft_ddp_group.py"), "1", address, str(folder))
         wait_for("3 steps of both groups", lambda: len(since(0, 2)) >= 3)
         first = pid(1)
         os.kill(first, signal.SIGKILL)  # one rank of group 1
@@ -92,16 +138,18 @@ def killed(tmp_path_factory):
         wait_for("3 steps of group 0 alone", lambda: len(since(group_killed, 1)) >= 3)
         (folder / "stop.tmp").write_text(str(steps()[-1]["t"] + 8))
         (folder / "stop.tmp").rename(folder / "stop")
-        wait_for("group 0's end", lambda: g0.poll() is not None)
+        wait_for("group 0's end", lambda: all(p.poll() is not None for p in g0))
         lighthouse.send_signal(signal.SIGTERM)
         lighthouse.wait(timeout=30)
-        yield {
-            "exit": {name: p.returncode for name, p in procs.items()},
-            "steps": steps(),
-            "rank_killed": rank_killed,
-            "group_killed": group_killed,
-            **{f"{name}.{kind}": (folder / f"{name}.{kind}").read_text() for name in procs for kind in ("out", "err")},
+        exits = {name: p.returncode for name, p in procs.items()}
+        outputs = {
+            f"{name}.{kind}": (folder / f"{name}.{kind}").read_text() for name in procs for kind in ("out", "err")
         }
+        # group 0 as its `kiln run` would show it: the first failure's status, the ranks' output in rank order
+        exits["g0"] = next((code for code in (exits.pop("g0-r0"), exits.pop("g0-r1")) if code != 0), 0)
+        for kind in ("out", "err"):
+            outputs[f"g0.{kind}"] = outputs.pop(f"g0-r0.{kind}") + outputs.pop(f"g0-r1.{kind}")
+        yield {"exit": exits, "steps": steps(), "rank_killed": rank_killed, "group_killed": group_killed, **outputs}
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -25,7 +25,9 @@ import kiln
 
 group, lighthouse, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 rank = int(os.environ["RANK"])
-(folder / f"pid-g{group}-r{rank}").write_text(str(os.getpid()))
+# written whole (a rename), so that the test never reads the empty file a restarted rank truncated
+(folder / f"pid-g{group}-r{rank}.tmp").write_text(str(os.getpid()))
+os.replace(folder / f"pid-g{group}-r{rank}.tmp", folder / f"pid-g{group}-r{rank}")
 
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(8192, 4), torch.randn(8192, 1))
