@@ -2,8 +2,11 @@
 
 One process: the tiny transformer of workers/levers_model.py under the single-device strategy, the
 Trainer's, Engine's and YAML's options and their errors, and a compiled checkpoint resumed eagerly
-and back. Two ranks (one launch of workers/levers_worker.py): every strategy with each
-checkpointing mode (float64: the losses of none, exactly) and with compile (float32: within 1e-5).
+and back. Two ranks (one launch of workers/levers_worker.py): every strategy of
+levers_model.STRATEGIES (ddp, zero3, tp, pp; zero1 is ddp's model) with each checkpointing mode
+(float64: the losses of none, exactly) and with compile (float32: within 1e-5). Inductor compiles
+in each process itself (compile_threads=1): its default pool of compile workers would start fresh
+interpreters that import torch, in every process that compiles.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ from levers_model import STRATEGIES, lm_loss, make_data, make_model  # noqa: E40
 
 LAYERS = [f"layers.{i}" for i in range(4)]
 AC = ["activation_checkpointing"]
+
+
+@pytest.fixture(autouse=True)
+def _inductor_compiles_in_this_process():
+    # by default (2 CPUs here) inductor's first compile starts a pool of compile workers, fresh
+    # interpreters that import torch: more CPU than the few kernels of these tests take to build
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):
+        yield
 
 
 def _is_layer(module):
@@ -318,14 +331,20 @@ def _keys(state, prefix=""):
     return sorted(k for key, value in state.items() for k in _keys(value, f"{prefix}{key}."))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of the eager run the resumed ones must equal (the same for both save types)."""
+    trainer = _trainer(tmp_path_factory.mktemp("uninterrupted"), "4ba")
+    trainer.fit()
+    return trainer.engine.module.state_dict()
+
+
 @pytest.mark.parametrize("save_type", ["sharded", "merged"])
-def test_a_compiled_checkpoint_resumes_eagerly_and_back_bit_exact(tmp_path, save_type):
+def test_a_compiled_checkpoint_resumes_eagerly_and_back_bit_exact(tmp_path, save_type, uninterrupted):
     # aot_eager: dynamo and AOTAutograd as with inductor, the graph run by eager kernels, so float64
     # training is bit-exact with eager and any difference is the checkpoint's
     compiled = {"compile": {"backend": "aot_eager"}}
-    uninterrupted = _trainer(tmp_path / "full", "4ba")
-    uninterrupted.fit()
-    expected = uninterrupted.engine.module.state_dict()
+    expected = uninterrupted
     for first, then, name in ((compiled, {}, "compiled_then_eager"), ({}, compiled, "eager_then_compiled")):
         half = _trainer(tmp_path / name, "2ba", save_type=save_type, **first)
         half.fit()
