@@ -5,8 +5,8 @@ microbatches are cut; how the loader resumes) must leave every number where it w
 the cases of tests/workers/golden_runs.py -- every strategy (single, ddp, zero1, zero2, zero3, tensor
 parallel, pipeline 1F1B, a hybrid, DeepSpeed ZeRO-2), gradient accumulation, clipping, amp_bf16,
 SAM, GradientClipping, the nnScaler gradient reductions through the config path, the Colossal-AI
-Engine loop and a crash with a mid-epoch autoresume -- in one 1-process and one 2-process launch
-(about 20 s on an idle 2-core machine) and compares them with tests/data/golden_runs.json: each
+Engine loop and a crash with a mid-epoch autoresume -- in one 1-process and one 2-process launch,
+both forked from the tests' warm server (about 20 s on an idle 2-core machine), and compares them with tests/data/golden_runs.json: each
 rank's loss at every step as ``float.hex``, a sha256 of the full final weights (per tensor too, to
 name the one that moved) and a sha256 of each rank's optimizer state.
 
@@ -28,7 +28,6 @@ import importlib.util
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from distributed import WORKERS, base_env, check, fork_run
+from distributed import WORKERS, check, fork_ranks, fork_run
 
 RECORDING = Path(__file__).parent / "data" / "golden_runs.json"
 RUNS = WORKERS / "golden_runs.py"
@@ -45,9 +44,9 @@ RECORD_COMMAND = ".venv/bin/python tests/test_golden_runs.py --record"
 
 def run_cases(out: Path) -> dict[str, Any]:
     """Both launches of golden_runs.py; ``{case: entry}`` without the timings."""
-    single = subprocess.run(
-        [sys.executable, str(RUNS), str(out), "single"], env=base_env(), capture_output=True, text=True, timeout=400
-    )
+    # the one-process cases in one process forked from the warm server (no torchrun variables: no
+    # process group), which saves a fresh interpreter's imports (~7 CPU-s: torch, dynamo, kiln)
+    (single,) = fork_ranks(RUNS, lambda rank: {}, nproc=1, args=(str(out), "single"), timeout=400)
     check(single)
     check(fork_run(RUNS, str(out), "multi", nproc=2, timeout=400))
     cases: dict[str, Any] = {}
