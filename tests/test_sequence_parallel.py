@@ -20,7 +20,7 @@ vocabulary on any rank. ``llama_tp2_off`` (``sequence_parallel=False``) is the p
 
 Deep pipelines of a Hugging Face decoder (issue 32 item 6), in the same launches, each with
 accumulation and clipping at once: a 4-layer Llama in 4 stages (1F1B) and an 8-layer one in 8
-stages, 2 a rank (interleaved 1F1B), on 4 ranks; 2 stages x TP 2 x FSDP 2 on 8 ranks. Measured: the
+stages, 2 a rank (interleaved 1F1B), on 4 ranks; a 2-layer one in 2 stages x TP 2 x FSDP 2 on 8 ranks. Measured: the
 largest difference 2.7e-15 (losses), 1.8e-15 (weights). A stage given the wrong rotary positions
 (``position_ids + 1`` in kiln.models.hf_stages) fails tests/test_hf_stages.py at once.
 

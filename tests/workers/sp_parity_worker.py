@@ -37,8 +37,8 @@ VARIANTS = {"accum2": (2, None), "clip": (1, CLIP), "accum2_clip": (2, CLIP)}
 # counts as many tokens and the mean of the micro-batch means is the global token mean
 IGNORED = 2
 
-# layers of each Llama: 2 for tensor parallelism; the pipelines' a layer a stage (4 stages) and two
-# stages a rank (8 stages, interleaved)
+# layers of each Llama: 2 for tensor parallelism and 2 stages x TP x FSDP; the pipelines' a layer a
+# stage (4 stages) and two stages a rank (8 stages, interleaved)
 LAYERS = {"llama": 2, "llama4": 4, "llama8": 8}
 
 
@@ -70,10 +70,11 @@ CASES = {
     # kiln.models.hf_stages); 4 microbatches of each micro-step
     "llama_pp4_1f1b": ("llama4", lambda: Pipeline(_split(4), schedule="1f1b", microbatches=4)),
     "llama_pp4_interleaved": ("llama8", lambda: Pipeline(_split(8), schedule="interleaved1f1b", microbatches=4)),
-    # 8 ranks: 2 stages x tensor parallel 2 x FSDP 2 (tests/test_sequence_parallel.py's 8-rank launch)
+    # 8 ranks: 2 stages x tensor parallel 2 x FSDP 2 (tests/test_sequence_parallel.py's 8-rank launch),
+    # of the 2-layer Llama, a layer a stage (each of the 8 ranks traces the whole model)
     "llama_pp2_tp2_fsdp2": (
-        "llama4",
-        lambda: Hybrid(pp=2, tp=2, dp_shard=2, split_points=_split(4)[1:2], microbatches=2),
+        "llama",
+        lambda: Hybrid(pp=2, tp=2, dp_shard=2, split_points=_split(2), microbatches=2),
     ),
 }
 PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved", "llama_pp2_tp2_fsdp2"}
