@@ -10,6 +10,7 @@ the stream is held out for evaluation. Each sample is ``{"input_ids": ..., "labe
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -21,7 +22,13 @@ __all__ = ["StdlibText", "stdlib_text", "stdlib_bytes"]
 def stdlib_bytes(max_bytes: int | None = None) -> bytes:
     """The standard library's ``.py`` files (top level and packages, no tests), joined in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "test" not in p.relative_to(root).parts[0].lower())
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        # Installed packages are not the standard library: a Python's site-packages can hold ten times
+        # its files (11,563 of 13,353 here), which a walk of the whole tree read through on every build.
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    files = sorted(p for p in found if "test" not in p.relative_to(root).parts[0].lower())
     chunks, total = [], 0
     for path in files:
         data = path.read_bytes()
