@@ -14,9 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-# One intra-op thread in each pytest process (the environment, which subprocesses inherit, is left
+# torch.compile's inductor compiles in the process itself: by default each compiling process starts a
+# pool of fresh interpreters that import torch again (seconds of CPU each on this 2-core machine).
+# Read when torch._inductor's config is imported, so set before torch; subprocesses inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+# One intra-op thread in each pytest process (OMP_NUM_THREADS in the environment, which subprocesses inherit, is left
 # as it is; tests/distributed.py gives every rank OMP_NUM_THREADS=1). The suite's models are tiny and
 # `make test` runs one pytest worker per core: with torch's default of one thread per core, OpenMP's
 # threads spin-wait for each other on the oversubscribed cores, and the in-process tests cost 2.5x

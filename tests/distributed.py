@@ -55,6 +55,7 @@ def base_env() -> dict[str, str]:
         [str(ROOT / "src"), str(ROOT / "examples"), str(WORKERS), env.get("PYTHONPATH", "")]
     )
     env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no pool of compile workers (tests/conftest.py)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
@@ -199,7 +200,7 @@ def _forkserver():
     # module to run _fork_rank) and one OpenMP thread, which libgomp reads when torch loads.
     saved = dict(os.environ)
     os.environ.update({"PYTHONPATH": base_env()["PYTHONPATH"] + os.pathsep + str(Path(__file__).parent),
-                       "OMP_NUM_THREADS": "1"})  # fmt: skip
+                       "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})  # fmt: skip
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
