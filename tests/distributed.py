@@ -281,7 +281,9 @@ def _fork_job(
         deadline, stop_at, first_failed = time.monotonic() + timeout, None, None
         while any(proc.exitcode is None for proc, _ in procs) and time.monotonic() < deadline:
             multiprocessing.connection.wait([proc.sentinel for proc, _ in procs if proc.exitcode is None], 0.5)
-            failed = [rank for rank, (proc, _) in enumerate(procs) if proc.exitcode not in (None, 0)]
+            # 75: the rank checkpointed after a preemption signal and left; its peers agree on the same
+            # step and leave with 75 on their own (stopping them could turn a saved exit into -15)
+            failed = [rank for rank, (proc, _) in enumerate(procs) if proc.exitcode not in (None, 0, 75)]
             if stop_at is None and failed:
                 first_failed = failed[0]  # the job's status: the cause, not the peers stopped for it
                 stop_at = time.monotonic() + 10
@@ -320,7 +322,8 @@ def fork_run(
     """What ``kiln_run(script, *args, nproc=...)`` returns for a job that runs to its end, with the
     ranks forked from the warm server (each under kiln.launch.worker, with torchrun's variables;
     ``module``: ``script`` is a module, as ``kiln run -m``):
-    returncode 0 when every rank exited 0, else the status of the rank that failed first; stdout and
+    returncode 0 when every rank exited 0, else the status of the rank that failed first (a rank that
+    exits 75, preempted and checkpointed, stops no peer); stdout and
     stderr each rank's in rank order."""
     port, common = str(free_port()), {**base_env(), **(env or {})}
     envs = [
@@ -338,7 +341,11 @@ def fork_run(
     ]
     argv = [*(["-m"] if module else []), str(script), *args]
     results, first_failed = _fork_job(argv, True, envs, timeout, cwd)
-    code = 0 if first_failed is None else results[first_failed].returncode
+    code = (
+        next((r.returncode for r in results if r.returncode), 0)
+        if first_failed is None
+        else results[first_failed].returncode
+    )
     return subprocess.CompletedProcess(
         [f"fork_run -n {nproc}", str(script), *args], code, "".join(r.stdout for r in results),
         "".join(r.stderr for r in results),
