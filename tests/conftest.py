@@ -54,7 +54,7 @@ def _required_import_skipped(report: pytest.CollectReport | pytest.TestReport) -
 # taking the next file as it finishes one, so no worker is left running a long file alone at the end.
 LONGEST_FIRST = (
     "test_multinode.py",  # drills of real launchers (issue 24)
-    "test_one_traceback.py",  # real kiln run launches of up to 8 ranks
+    "test_one_traceback.py",  # real kiln run launches of up to 4 ranks
     "test_sequence_parallel.py",
     "test_fault_tolerance_kill.py",
     "test_hf_load.py",
