@@ -177,8 +177,9 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 # their ranks from a server that imported all that once per pytest worker (multiprocessing's
 # forkserver), with torchmetrics (2 s: it imports transformers and scipy when they are installed)
 # and transformers' llama (1.5 s), which many workers build, and what pipelines (torch.export, 0.5 s)
-# and ZeRO (torch.distributed.optim, 0.7 s) import when first used, and the digits examples' sklearn. Each rank is still a process of its
-# own, in a real gloo group, running the script under kiln.launch.worker as `kiln run` would; the
+# and ZeRO (torch.distributed.optim, 0.7 s) import when first used, and the digits examples' sklearn.
+# Each rank is still a process of its own, in a real gloo group, running the script under
+# kiln.launch.worker as `kiln run` would; the
 # launcher itself is tested by the launch tests, which keep `kiln_run`. A test that checks what a
 # fresh process has NOT imported needs a process of its own (tests/test_quiet_imports.py).
 _FORK_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.distributed.fsdp",
