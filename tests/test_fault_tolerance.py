@@ -1,8 +1,7 @@
 """Replica fault tolerance on torchft (issue 24, items 3 and 5): real processes, no mocks.
 
 One drill, shared by the cases: ``kiln lighthouse`` and two replica groups (one process each,
-tests/workers/ft_group.py), every process forked from the warm server of tests/distributed.py (a
-fresh interpreter would cost ~7.5 CPU-s of imports each; how they start is not under test). Group 1 dies by SIGKILL in the middle of step 4 and is started again
+tests/workers/ft_group.py). Group 1 dies by SIGKILL in the middle of step 4 and is started again
 once group 0 has gone on alone for a few steps; the new process heals from group 0 (weights,
 optimizer, timestamp, data position) and joins the quorum. Both groups write their state a few
 steps after that; then group 1 stops itself with SIGSTOP between its forward and the gradient
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -39,7 +37,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
+from distributed import WORKERS, base_env, free_port
 
 pytest.importorskip("torchft")
 
@@ -58,52 +56,18 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-class _Forked:
-    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
-    ranks are), as ``python CMD`` would run (``-m MODULE`` as ``python -m``), with the Popen calls the
-    drill makes. The groups and the Lighthouse are what the drill tests, not how they were started:
-    a fresh interpreter would cost ~7.5 CPU-s of imports each (nine in this module)."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
-        # -m runs under kiln.launch.worker (the only way _fork_rank runs a module), a script as itself
-        module = cmd[0] == "-m"
-        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
-        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, module, env, str(out), str(err), None))
-        self._proc.start()
-        self.pid = self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout)
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        if self._proc.exitcode is None:
-            self._proc.kill()
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-
 class _Drill:
     def __init__(self, folder: Path, groups: int = 2) -> None:
         self.folder, self.procs, self.env = folder, {}, {**base_env(), "FT_GROUPS": str(groups)}
         self.began, self.phases = time.monotonic(), []
 
-    def start(self, name: str, *cmd: str) -> _Forked:
-        proc = _Forked(list(cmd), self.env, self.folder / f"{name}.out", self.folder / f"{name}.err")
+    def start(self, name: str, *cmd: str) -> subprocess.Popen:
+        out, err = open(self.folder / f"{name}.out", "w"), open(self.folder / f"{name}.err", "w")
+        proc = subprocess.Popen([sys.executable, *cmd], env=self.env, stdout=out, stderr=err)
         self.procs[name] = proc
         return proc
 
-    def group(self, name: str, group: int, life: int, *extra: str) -> _Forked:
+    def group(self, name: str, group: int, life: int, *extra: str) -> subprocess.Popen:
         return self.start(
             name, str(WORKERS / "ft_group.py"), str(group), self.lighthouse, str(self.folder), str(life), *extra
         )

@@ -8,6 +8,7 @@ With FAIL_RANK, that rank raises after training instead; with ``destroy`` the sc
 exit`` when kiln's exit handler destroys it (while Python is still alive, after ``finished``).
 """
 
+import os
 import sys
 
 import torch
@@ -25,10 +26,12 @@ elif sys.argv[1:] == ["mixed"]:
     destroy = torch.distributed.destroy_process_group
 
     def announced(*args, **kwargs):
-        print(f"rank {ctx.rank}: group destroyed at exit", flush=True)
+        os.write(1, f"rank {ctx.rank}: group destroyed at exit\n".encode())
         return destroy(*args, **kwargs)
 
     torch.distributed.destroy_process_group = announced
 elif len(sys.argv) > 1 and ctx.rank == int(sys.argv[1]):
     raise RuntimeError(f"planned failure on rank {ctx.rank}")
-print(f"rank {ctx.rank} finished", flush=True)
+# one write per line: with PYTHONUNBUFFERED, print writes the text and the newline apart, and the
+# ranks' lines, sharing one pipe, glue ("rank 0 finishedrank 1 finished")
+os.write(1, f"rank {ctx.rank} finished\n".encode())
