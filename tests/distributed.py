@@ -367,3 +367,30 @@ def fork_ranks(
     rank r with the variables env_for_rank(r)."""
     envs = [{**base_env(), **{k: str(v) for k, v in env_for_rank(rank).items()}} for rank in range(nproc)]
     return _fork_job([str(script), *args], False, envs, timeout, None)[0]
+
+
+class ForkedRank:
+    """One rank forked from the warm server and left running: ``python -m kiln.launch.worker CMD``
+    (as `kiln run` starts a rank, torchrun's variables in ``env``) in ``cwd``, its output in the files
+    ``out`` and ``err``; for drills that start, wait for and signal processes one by one (the
+    torchft groups and their Lighthouse, where how they start is not under test)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path | None = None) -> None:
+        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}  # parent_death: the server is the parent
+        where = None if cwd is None else str(cwd)
+        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), where))
+        self._proc.start()
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None while it still runs after ``timeout`` seconds."""
+        self._proc.join(timeout)
+        return self._proc.exitcode
+
+    def stop(self, sig: int) -> None:
+        """Send ``sig``; SIGKILL if it still runs 30 s later."""
+        if self._proc.exitcode is None:
+            os.kill(self._proc.pid, sig)
+            self._proc.join(30)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()

@@ -13,42 +13,14 @@ equal at every step).
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-from pathlib import Path
 
 import pytest
 
-from distributed import ROOT, _fork_rank, _forkserver, base_env, free_port
+from distributed import ROOT, ForkedRank, base_env, free_port
 
 pytest.importorskip("torchft")
-
-
-class _Forked:
-    """A rank forked from the pytest worker's warm server (tests/distributed.py: what fork_train's
-    ranks are): ``python -m kiln.launch.worker CMD`` in ``cwd``, with torchrun's variables in
-    ``env``, as `kiln train --nproc-per-node 2` relaunches itself through `kiln run`. The launcher is
-    not what this module tests (tests/test_cli_run.py launches real ones); the config CLI's keys,
-    sampler and output are, and they are the ranks'. The Lighthouse is forked the same way."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path | None = None) -> None:
-        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
-        where = None if cwd is None else str(cwd)
-        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), where))
-        self._proc.start()
-
-    def wait(self, timeout: float) -> int | None:
-        self._proc.join(timeout)
-        return self._proc.exitcode
-
-    def stop(self, sig: int) -> None:
-        if self._proc.exitcode is None:
-            os.kill(self._proc.pid, sig)
-            self._proc.join(30)
-        if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join()
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +30,7 @@ def groups(tmp_path_factory):
     port = free_port()
     cmd = ["-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port), "--join-timeout", "5"]
     cmd += ["--heartbeat-timeout", "5", "--quorum-tick", "0.05"]
-    lighthouse = _Forked(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
+    lighthouse = ForkedRank(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
     ranks = []
     try:
         for group in range(2):
@@ -74,7 +46,7 @@ def groups(tmp_path_factory):
                 torchrun.update(GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master)
                 name = folder / f"g{group}-r{rank}"
                 out, err = name.with_suffix(".out"), name.with_suffix(".err")
-                ranks.append(_Forked(cmd, {**env, **torchrun}, out, err, cwd=folder / f"g{group}"))
+                ranks.append(ForkedRank(cmd, {**env, **torchrun}, out, err, cwd=folder / f"g{group}"))
         codes = [proc.wait(timeout=300) for proc in ranks]
         results = []
         for group in range(2):  # each group's ranks' output in rank order, as fork_train gives it

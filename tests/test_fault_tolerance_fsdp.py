@@ -12,45 +12,18 @@ all ranks read, within 1e-12 (float64 SGD; measured 2.8e-17 for FSDP). Averaging
 from __future__ import annotations
 
 import json
-import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
+from distributed import WORKERS, ForkedRank, base_env, free_port
 
 pytest.importorskip("torchft")
 
 STEPS, SAMPLES, BATCH = 6, 256, 4
 SHARES = {"fsdp": 4, "tp": 2}  # the data's shares: 2 groups x the data-parallel ranks of a group
-
-
-class _Forked:
-    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
-    ranks are), ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank, with torchrun's
-    variables in ``env``. The launcher is not what this module tests (tests/test_cli_run.py and
-    tests/test_fault_tolerance_kill.py launch real ones): a `kiln run -n 2` per group and a
-    `kiln lighthouse` cost ~24 CPU-s of fresh interpreters' imports each."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
-        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
-        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
-        self._proc.start()
-
-    def wait(self, timeout: float) -> int | None:
-        self._proc.join(timeout)
-        return self._proc.exitcode
-
-    def stop(self, sig: int) -> None:
-        if self._proc.exitcode is None:
-            os.kill(self._proc.pid, sig)
-            self._proc.join(30)
-        if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join()
 
 
 @pytest.fixture(scope="module", params=["fsdp", "tp"])
@@ -60,7 +33,7 @@ def groups(request, tmp_path_factory):
     port = free_port()
     cmd = ["-m", "kiln.cli.main", "lighthouse", "--min-replicas", "2", "--port", str(port), "--join-timeout", "5"]
     cmd += ["--heartbeat-timeout", "5", "--quorum-tick", "0.05"]
-    lighthouse = _Forked(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
+    lighthouse = ForkedRank(cmd, base_env(), folder / "lighthouse.out", folder / "lighthouse.err")
     ranks = []
     try:
         for group in range(2):
@@ -70,7 +43,7 @@ def groups(request, tmp_path_factory):
                 env.update(LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=master)
                 script = [str(WORKERS / "ft_fsdp_group.py"), str(group), f"http://127.0.0.1:{port}", str(folder)]
                 name = folder / f"g{group}-r{rank}"
-                ranks.append(_Forked([*script, strategy], env, name.with_suffix(".out"), name.with_suffix(".err")))
+                ranks.append(ForkedRank([*script, strategy], env, name.with_suffix(".out"), name.with_suffix(".err")))
         for proc, name in zip(ranks, ("g0-r0", "g0-r1", "g1-r0", "g1-r1")):
             code = proc.wait(timeout=300)
             assert code == 0, f"{name}: exit {code}\n{(folder / f'{name}.err').read_text()[-4000:]}"
