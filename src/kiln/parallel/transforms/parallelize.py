@@ -66,8 +66,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -363,7 +364,10 @@ def parallelize(
 
         after = dict(strategy.unwrap(model).named_parameters())
         if any(before.get(name) is not p for name, p in after.items()):
-            repoint_optimizer(optimizer, {id(p): name for name, p in before.items()}, after, strategy=strategy.name)
+            names: dict[int, str] = {}
+            for name, p in before.items():  # a tied parameter by its first name, as named_parameters() lists it
+                names.setdefault(id(p), name)
+            repoint_optimizer(optimizer, names, after, strategy=strategy.name)
     return model
 
 
@@ -394,14 +398,34 @@ def apply_placement(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
     of a model whose weights are deferred stay there until :func:`materialize`)."""
     # Module.to and the precision cast replace tensor data in place, so the optimizer's
     # references to the Parameter objects stay valid.
-    if _deferred(model):
-        device = plan.ctx.device
-        model._apply(lambda t: t if t.is_meta else t.to(device))
+    with _tied_kept(model):
+        if _deferred(model):
+            device = plan.ctx.device
+            model._apply(lambda t: t if t.is_meta else t.to(device))
+        else:
+            model.to(plan.ctx.device)
         plan.precision.setup_module(model)
-        return model
-    model.to(plan.ctx.device)
-    plan.precision.setup_module(model)
     return model
+
+
+@contextlib.contextmanager
+def _tied_kept(model: nn.Module) -> Iterator[None]:
+    """Parameters shared by several modules (tied embeddings) are one parameter again after the
+    block. Module.to swaps in new Parameter objects where it cannot set ``.data`` in place (meta
+    parameters made fake in a dry run), one per module that holds it, which untied them: the copy
+    the optimizer does not hold was never updated, and counted twice."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                shared.setdefault(id(param), []).append((module, name))
+    yield
+    for places in shared.values():
+        if len(places) > 1:
+            first = getattr(places[0][0], places[0][1])
+            for module, name in places[1:]:
+                if getattr(module, name) is not first:
+                    setattr(module, name, first)
 
 
 def apply_float8(model: nn.Module, plan: ParallelizePlan) -> nn.Module:
