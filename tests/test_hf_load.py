@@ -99,8 +99,9 @@ def test_two_ranks(two_ranks: subprocess.CompletedProcess) -> None:
     assert (
         refusals
         == [
-            "ep=2 splits the experts of kiln.models.MoE layers over ranks, and HuggingFaceModel has none; build the "
-            "model's feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), or set ep=1"
+            "ep=2 splits the experts of kiln.models.MoE layers over ranks, and MixtralForCausalLM has none (its "
+            "mixture-of-experts blocks are MixtralSparseMoeBlock, which kiln does not split); build the model's "
+            "feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), or set ep=1"
         ]
         * 2
     ), result.stdout

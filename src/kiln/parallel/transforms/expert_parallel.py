@@ -137,6 +137,15 @@ def _moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
     return moe_layers(model)
 
 
+def _model_name(model: nn.Module) -> str:
+    """The class the user built: the model a kiln wrapper holds (``HuggingFaceModel``'s
+    ``MixtralForCausalLM``), else the model's own."""
+    inner = getattr(model, "model", None)
+    if type(model).__module__.startswith("kiln.") and isinstance(inner, nn.Module):
+        return type(inner).__name__
+    return type(model).__name__
+
+
 def check_expert_parallel(model: nn.Module, ep: int) -> None:
     """Refuse ``ep`` that cannot split ``model``'s experts; one line naming the layer, the value
     and the fix. Runs no collective."""
@@ -144,9 +153,16 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
         return
     layers = list(_moe_layers(model))
     if not layers:
+        others = sorted(
+            {type(m).__name__ for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)}
+        )
+        theirs = (
+            f" (its mixture-of-experts blocks are {', '.join(others)}, which kiln does not split)" if others else ""
+        )
         raise ValueError(
-            f"ep={ep} splits the experts of kiln.models.MoE layers over ranks, and {type(model).__name__} has none; "
-            "build the model's feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), or set ep=1"
+            f"ep={ep} splits the experts of kiln.models.MoE layers over ranks, and {_model_name(model)} has "
+            f"none{theirs}; build the model's feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), "
+            "or set ep=1"
         )
     for name, layer in layers:
         if layer.num_experts % ep:
