@@ -56,6 +56,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from kiln.planning.comm_count import KINDS, CollectiveCounter
+from kiln.planning.shared_trace import one_trace
 
 if TYPE_CHECKING:
     from kiln.config.args import TrainerArgs
@@ -440,12 +441,13 @@ def dry_run(
     reports: dict[int, RankReport] = {}
     engine: Any = None
     num_parameters = 0
-    while todo:
-        rank = todo.pop(0)
-        reports[rank], engine, num_parameters = dry_run_rank(args, world_size, rank, microbatch)
-        if ranks is None and rank == 0:  # now the mesh is known: the first rank of every other stage
-            sizes = mesh_sizes(engine.strategy, world_size)
-            todo += [stage * world_size // sizes.get("pp", 1) for stage in range(1, sizes.get("pp", 1))]
+    with one_trace():  # a pipeline's ranks share the first one's trace of the model
+        while todo:
+            rank = todo.pop(0)
+            reports[rank], engine, num_parameters = dry_run_rank(args, world_size, rank, microbatch)
+            if ranks is None and rank == 0:  # now the mesh is known: the first rank of every other stage
+                sizes = mesh_sizes(engine.strategy, world_size)
+                todo += [stage * world_size // sizes.get("pp", 1) for stage in range(1, sizes.get("pp", 1))]
     notes = []
     if args.compile:
         notes.append(
