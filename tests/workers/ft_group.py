@@ -11,10 +11,11 @@ its forward, before its backward), a death with no cleanup at all.
 What a heal must carry, so that the test's replay, which derives it from the run's seed and the
 steps alone, sees a heal that skips any of it: the model drops out inputs (the torch RNG), every
 group reads its share through kiln's shuffling sampler (the data position and the sampler's seed)
-and the learning rate decays each batch (the scheduler). A restarted group (LIFE 2 and 3) is built
-with another seed, so its sampler's order and its RNG are the run's only when the heal (or the
-checkpoint) gives them back. Each group keeps a goodput account, written at every step (group 0's
-beside the save folder, the others' at ``DIR/g<GROUP>.goodput.json``).
+and the learning rate decays each batch (the scheduler's own step count; each step logs the
+learning rate it used). A restarted group (LIFE 2 and 3) is built with another seed, so its
+sampler's order and its RNG are the run's only when the heal (or the checkpoint) gives them back.
+Each group keeps a goodput account, written at every step (group 0's beside the save folder, the
+others' at ``DIR/g<GROUP>.goodput.json``).
 
 The run ends by a rule both groups compute from the quorums alone, so they stop at the same step:
 ``DUMP`` steps after the first step (past the death) on which both groups take part again, each
@@ -50,7 +51,10 @@ torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(SIZE, 4), torch.randn(SIZE, 1))
 model = nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.5)
-scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
+# The learning rate is the scheduler's closed form of its own step count, 0.02 x 0.99^k, so only a
+# restored scheduler gives the run's: StepLR multiplies the optimizer's current lr, which the
+# optimizer's state already restores, and a heal that kept the fresh StepLR went unseen.
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.99**k)
 SEED = 0 if life == 1 else 100 + life  # the run's seed comes to a restarted group with its state
 
 
@@ -65,9 +69,11 @@ class Drill(kiln.Callback):
         self.together: int | None = None  # the first step after the outage with both groups
         self.dumped: int | None = None
         self.alone = 0  # steps group 0 committed without group 1 after the dump
+        self.lr = 0.0  # the learning rate of the step running
 
     def after_forward(self, state, logger) -> None:
         t = state.timestamp.batch.value + 1
+        self.lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler steps after the optimizer)
         if t == die_at:
             emit({"event": "die", "g": group, "t": die_at, "time": time.time()})
             os.kill(os.getpid(), signal.SIGKILL)
@@ -90,6 +96,7 @@ class Drill(kiln.Callback):
                 "n": n,
                 "committed": committed,
                 "loss": float(state.loss.detach()),
+                "lr": self.lr,
                 "x": inputs.tolist(),
                 "y": targets.tolist(),
                 "time": time.time(),
