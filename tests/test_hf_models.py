@@ -297,6 +297,8 @@ def test_tiny_llama_gives_the_one_process_losses(parity, case):
     assert result["max_loss_diff"] < 1e-10, result
     assert result["max_eval_diff"] < 1e-10, result
     assert result["losses"][-1] < result["losses"][0]  # it learns
+    # pp x tp runs sequence parallelism inside its stages (kiln.parallel.pipelining.sequence_stages)
+    assert (result["sequence_parallel_stages"] is True) == (case == "pp_tp_gqa")
 
 
 # -- export (a 2-rank config CLI run) ---------------------------------------------------------------

@@ -157,7 +157,8 @@ def main():
             references[key] = reference(**overrides)
         ref_losses, ref_eval = references[key]
         run = run_engine if name.startswith("engine_") else run_trainer
-        losses, metrics = run(CASES[name](), **overrides)
+        strategy = CASES[name]()
+        losses, metrics = run(strategy, **overrides)
         # every rank of a tensor-parallel group or pipeline has its group's loss: the mean over all
         # ranks is the mean over data-parallel ranks
         losses = mean_over_ranks(losses, ctx.world_size)
@@ -169,6 +170,8 @@ def main():
             "ref_eval": ref_eval,
             "max_eval_diff": max(abs(metrics[k] - ref_eval[k]) for k in metrics),
             "seconds": time.perf_counter() - start,
+            # sequence parallelism inside the pipeline's stages (Hybrid's default with pp and tp)
+            "sequence_parallel_stages": getattr(strategy, "sequence_parallel_stages", None),
         }
     if ctx.rank == 0:
         with open(os.path.join(out, "hf_parity.json"), "w") as f:

@@ -121,14 +121,19 @@ def _no_cache(mask: Callable[..., Any], positions: torch.Tensor) -> dict[str, An
 
 def _own_inputs(layer: nn.Module, forward: Any, config: Any, mask: Callable[..., Any] | None) -> Any:
     def self_contained(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # The mask and the rotary pair read only the hidden states' shape, dtype and device: they get
+        # a tensor of that shape made anew, so in the traced graph they do not hang on the hidden
+        # states (under sequence parallelism those arrive as a sequence-sharded DTensor, and the
+        # plain mask and rotary pair must stay plain: kiln.parallel.pipelining.sequence_stages).
+        shape = torch.zeros(hidden_states.shape[:2] + (1,), dtype=hidden_states.dtype, device=hidden_states.device)
         if mask is not None:  # what the model computes before its first layer, for a batch without them
             positions = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
             kwargs["position_ids"] = positions
             kwargs["attention_mask"] = mask(
-                config=config, inputs_embeds=hidden_states, attention_mask=None, position_ids=positions,
+                config=config, inputs_embeds=shape, attention_mask=None, position_ids=positions,
                 **_no_cache(mask, positions[0]),
             )  # fmt: skip
-        kwargs["position_embeddings"] = getattr(layer, ROTARY)(hidden_states, position_ids=kwargs.get("position_ids"))
+        kwargs["position_embeddings"] = getattr(layer, ROTARY)(shape, position_ids=kwargs.get("position_ids"))
         return forward(hidden_states, *args, **kwargs)
 
     return self_contained

@@ -31,6 +31,7 @@ from kiln.parallel.context import ContextParallel, check_context_parallel
 from kiln.parallel.pipeline import PipelineSteps
 from kiln.parallel.pipelining.runtime import PipelineRuntime, validate_split_points
 from kiln.parallel.pipelining.schedules import SCHEDULES, SPLIT_BACKWARD, stage_count_error
+from kiln.parallel.pipelining.sequence_stages import sequence_boundaries, stage_styles
 from kiln.parallel.pipelining.tp_trace import traced_as_tp_rank
 from kiln.parallel.pipelining.traced_casts import drop_cast_assertions
 from kiln.parallel.state.grad_norm import clip_grad_norm_
@@ -63,7 +64,9 @@ class Hybrid(PipelineSteps):
             dict batches of ``input_ids``/``labels``, on CUDA); not with ``pp`` or ``ep``.
         tp_plan: see :class:`kiln.parallel.TensorParallel`.
         sequence_parallel / loss_parallel: see :class:`kiln.parallel.TensorParallel`; on by default
-            with ``tp > 1`` for the models kiln has a plan for, off with ``pp > 1`` or ``cp > 1``.
+            with ``tp > 1`` for the models kiln has a plan for, off with ``cp > 1``; with ``pp > 1``
+            sequence parallelism runs inside each stage (its boundaries send the whole sequence:
+            :mod:`kiln.parallel.pipelining.sequence_stages`) and loss parallelism is off.
         split_points / schedule / microbatches / example_input: see :class:`kiln.parallel.Pipeline`.
         wrap / cpu_offload: see :class:`kiln.parallel.FSDP`.
         reshard_after_forward: free each block's gathered parameters after its forward (True), or
@@ -132,6 +135,7 @@ class Hybrid(PipelineSteps):
         self.schedule, self.microbatches, self.example_input = str(schedule).lower(), microbatches, example_input
         self.wrap, self.reshard_after_forward, self.cpu_offload = wrap, reshard_after_forward, cpu_offload
         self.pipeline: PipelineRuntime | None = None
+        self.sequence_parallel_stages = False  # sequence parallelism inside pipeline stages (parallelize_plan)
         self.data_parallel_rank, self.data_parallel_size = 0, 1
         self.context_parallel: ContextParallel | None = None
 
@@ -143,16 +147,19 @@ class Hybrid(PipelineSteps):
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # Every user error is raised here, before the mesh exists (no collective has run).
         dims = self.dims.resolve(ctx.world_size)
-        others = ", ".join(f"{n}={getattr(dims, n)}" for n in ("pp", "cp") if getattr(dims, n) > 1) or None
         sp_plan = sequence_parallel_plan(
             model,
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
             plan=self.tp_plan,
             tp=dims.tp,
-            blocker=others,
+            blocker=f"cp={dims.cp}" if dims.cp > 1 else None,
+            pipeline=f"pp={dims.pp}" if dims.pp > 1 else None,
         )
+        self.sequence_parallel_stages = sp_plan is not None and dims.pp > 1
         tp_plan = resolve_tp_plan(model, sp_plan if sp_plan is not None else self.tp_plan) if dims.tp > 1 else {}
+        if self.sequence_parallel_stages:  # a traced stage's blocks take their inputs positionally
+            tp_plan = stage_styles(tp_plan)
         check_tp_size(model, tp_plan, dims.tp, pipeline=dims.pp > 1)
         check_expert_parallel(model, dims.ep)
         dry_run = ctx.backend == "fake"  # kiln.planning.fake_world: the dry run's stand-in attention
@@ -198,6 +205,8 @@ class Hybrid(PipelineSteps):
             if plan.tp_mesh is not None:
                 stage_plan = {p: s for p, s in plan.tp_plan.items() if matching_modules(stage, p)}
                 _restore_split_layers(stage, model, stage_plan)
+                if self.sequence_parallel_stages:
+                    sequence_boundaries(stage, plan.tp_mesh)
 
         mesh = plan.mesh
         return self.setup_pipeline(
@@ -270,8 +279,12 @@ def _restore_split_layers(stage: nn.Module, model: nn.Module, plan: Mapping[str,
     # Tracing turns every module of a stage into an fx InterpreterModule, which tensor parallelism
     # cannot split (it needs nn.Linear / nn.Embedding). The original layer objects hold the very
     # same parameters and take the same single tensor input, so they are put back in their place.
+    # Other modules a plan names (sequence parallelism's norms and blocks) stay traced: their
+    # originals take other inputs than the traced call passes (kiln.parallel.pipelining.sequence_stages).
     for pattern in plan:
         for name in matching_modules(stage, pattern):
+            if not isinstance(model.get_submodule(name), (nn.Linear, nn.Embedding)):
+                continue
             parent_name, _, leaf = name.rpartition(".")
             parent = stage.get_submodule(parent_name) if parent_name else stage
             setattr(parent, leaf, model.get_submodule(name))

@@ -17,8 +17,9 @@ a kiln model with a ``sequence_parallel_plan(loss_parallel=...)`` method, such a
   and the cross-entropy is computed on the shards (torch's ``loss_parallel()``): no rank holds the
   ``tokens x vocab`` logits, each holds ``tokens x vocab / tp``.
 
-``None`` (the default) is "on where kiln has a plan": tp > 1, no plan given, no pipeline or
-context parallelism, and a model kiln has a plan for. ``True`` asks for it and is refused in one
+``None`` (the default) is "on where kiln has a plan": tp > 1, no plan given, no context
+parallelism, and a model kiln has a plan for; under a pipeline, sequence parallelism runs inside
+each stage and loss parallelism is off. ``True`` asks for it and is refused in one
 line where it cannot run; ``False`` turns it off (the plain tensor-parallel plan, bit for bit).
 """
 
@@ -45,6 +46,7 @@ def sequence_parallel_plan(
     plan: Mapping[str, Any] | None,
     tp: int,
     blocker: str | None = None,
+    pipeline: str | None = None,
 ) -> dict[str, Any] | None:
     """The tensor-parallel plan with sequence (and loss) parallelism for ``model``, or None when
     sequence parallelism is off (the caller then resolves the ordinary plan).
@@ -53,7 +55,10 @@ def sequence_parallel_plan(
         sequence_parallel / loss_parallel: the user's switches (None: on where kiln has a plan).
         plan: the user's tensor-parallel plan; kiln's sequence-parallel plan is used only without one.
         tp: the tensor-parallel size (nothing to do at 1).
-        blocker: what else runs that sequence parallelism does not combine with (``"pp=2"``), if any.
+        blocker: what else runs that sequence parallelism does not combine with (``"cp=2"``), if any.
+        pipeline: the pipeline it runs in (``"pp=2"``), if any: sequence parallelism runs inside each
+            stage (:mod:`kiln.parallel.pipelining.sequence_stages`), loss parallelism does not (the
+            last stage's logits are gathered: its default is off, and True is refused).
 
     Raises ``ValueError`` in one line, before any collective, when a switch set to True cannot be
     honoured: no plan for the model (it says why), a plan of the user's, a pipeline, or
@@ -70,6 +75,13 @@ def sequence_parallel_plan(
     which = "sequence_parallel=True" if sequence_parallel else "loss_parallel=True"
     if tp <= 1 or sequence_parallel is False:
         return None
+    if pipeline is not None and loss_parallel:
+        raise ValueError(
+            f"loss_parallel=True does not run with {pipeline} in kiln (the last stage's logits are gathered "
+            "whole); set loss_parallel=False (or leave it None: off under a pipeline)"
+        )
+    if pipeline is not None:
+        loss_parallel = False
     if blocker is not None:
         if asked:
             raise ValueError(
