@@ -1,5 +1,10 @@
 """``strategy="tp"``: tensor parallelism over every rank (the transformation itself:
-:mod:`kiln.parallel.transforms.tensor_parallel`)."""
+:mod:`kiln.parallel.transforms.tensor_parallel`).
+
+The gradients of its replicated parameters (sequence parallelism's norms) come out of the backward
+as per-rank partial sums; the last backward of each step sums them over the ranks once
+(:mod:`kiln.parallel.state.replicated_grads`), before clipping and the optimizer, as FSDP2 does
+for them under :class:`kiln.parallel.Hybrid`."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from torch import nn
 
 from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.state.mesh import ParallelDims
+from kiln.parallel.state.replicated_grads import reduce_partial_grads
 from kiln.parallel.strategy import Strategy
 from kiln.parallel.transforms.parallelize import ParallelizePlan, find_blocks
 from kiln.parallel.transforms.sequence_parallel import sequence_parallel_plan
@@ -63,6 +69,7 @@ class TensorParallel(Strategy):
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         # TP ranks are one data-parallel replica: they must all read the same batch.
         self.data_parallel_rank, self.data_parallel_size = 0, 1
+        self._grad_sync = True  # whether the next backward ends a step (set_grad_sync)
 
     def parallelize_plan(self, model: nn.Module, ctx: Context, precision: Precision) -> ParallelizePlan:
         # user errors first, before any collective
@@ -84,8 +91,29 @@ class TensorParallel(Strategy):
             tp_plan=plan,
         )
 
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        self._grad_sync = enabled
+
+    def backward(
+        self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
+    ) -> None:
+        super().backward(model, loss, scale, scaler)
+        # The replicated parameters' gradients are partial sums (one per sequence shard): summed once
+        # a step, after its last backward, as DDP and FSDP sync theirs; the accumulation's earlier
+        # backwards add partial sums to partial sums, which needs no communication.
+        if self._grad_sync:
+            reduce_partial_grads(model.parameters())
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        reduce_partial_grads(model.parameters())  # a backward run outside the Engine's (nothing if none)
         return clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> torch.Tensor | None:
+        # after a backward run outside the Engine's: else each optimizer op would sum them again
+        reduce_partial_grads(model.parameters())
+        return super().optimizer_step(model, optimizer, scaler)
 
     def describe(self) -> dict[str, Any]:
         plan = self.plan if self.plan is not None else "the model's own"
