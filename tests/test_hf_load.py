@@ -5,8 +5,10 @@ transformers writes the tiny models with ``save_pretrained(..., max_shard_size="
 safetensors files and ``model.safetensors.index.json``. Llama (untied), Qwen2 (tied embeddings),
 Mixtral (per-expert files fused into one weight on load) and a bf16 Llama (the dtype from the
 config) are compared under single, ddp, zero3, tp (sequence and loss parallel, kiln's default for
-the Llama family), fsdp x tp (``Hybrid(dp_shard=2, tp=2)``) and a 2-stage pipeline
-(tests/workers/hf_load_worker.py); expert parallelism refuses the transformers Mixtral in one line.
+the Llama family), fsdp x tp (``Hybrid(dp_shard=2, tp=2)``) and a 2-stage pipeline, alone and with
+FSDP in each stage (tests/workers/hf_load_worker.py), where each rank must have read only its own
+stage's weights from the files (its shards of them), counted to the byte; expert parallelism
+refuses the transformers Mixtral in one line.
 One launch per world size runs every case of that size (a launch costs more than the loads): the
 2-rank one, which the 2-rank tests read, is a module fixture.
 """
@@ -107,13 +109,30 @@ def test_two_ranks(two_ranks: subprocess.CompletedProcess) -> None:
     ), result.stdout
 
 
+def _stage_reads(result: subprocess.CompletedProcess, name: str, strategy: str) -> list[tuple[int, int]]:
+    """(bytes read, bytes of the whole model's files) of each rank under a pipeline."""
+    found = re.findall(rf"^OK {name} {strategy} \d+ tensors read (\d+) of (\d+) bytes$", result.stdout, re.M)
+    return [(int(read), int(total)) for read, total in found]
+
+
 def test_pipeline_two_stages(two_ranks: subprocess.CompletedProcess) -> None:
+    """Each pipeline rank reads its own stage's weights from the files and no more (the worker checks
+    each rank's count to the byte against its stage's tensors): the two ranks' reads add up to the
+    files, plus, with tied embeddings, the last stage's head, which reads the embedding again."""
     _passed(two_ranks, "pp", 2, PIPELINE_MODELS)
+    for name in PIPELINE_MODELS:
+        reads = _stage_reads(two_ranks, name, "pp")
+        assert len(reads) == 2, two_ranks.stdout
+        total = reads[0][1]
+        assert all(read < 0.7 * total for read, _ in reads), reads
+        embedding = COMMON["vocab_size"] * COMMON["hidden_size"] * 4  # float32
+        assert sum(read for read, _ in reads) == total + (embedding if name == "qwen2" else 0), reads
 
 
 def test_four_ranks(saved: Path, tmp_path: Path) -> None:
     """One launch of 4 ranks: every model under ``Hybrid(dp_shard=2, tp=2)`` (FSDP shards the
-    tensor-parallel DTensors again; each rank reads a quarter of a split weight), and, first, each
+    tensor-parallel DTensors again; each rank reads a quarter of a split weight), the tied Qwen2
+    under ``Hybrid(pp=2, dp_shard=2)`` (each rank reads its shards of its stage), and, first, each
     rank's peak resident growth (VmHWM, and RssAnon) through a zero3 load of a ~8 MB Llama stays
     well below the model's size (each rank's shard is a quarter)."""
     import torch
@@ -134,8 +153,12 @@ def test_four_ranks(saved: Path, tmp_path: Path) -> None:
     LlamaForCausalLM(LlamaConfig(**COMMON)).save_pretrained(tmp_path / "warm")
     for name in MODELS:
         (tmp_path / name).symlink_to(saved / name)
-    result = fork_run(WORKER, str(tmp_path), "memory", "hybrid", nproc=4, timeout=240)
+    result = fork_run(WORKER, str(tmp_path), "memory", "hybrid", "pp_fsdp:qwen2", nproc=4, timeout=240)
     _passed(result, "hybrid", 4)
+    # Hybrid(pp=2, dp_shard=2): each rank reads half of its stage, a quarter of the model
+    _passed(result, "pp_fsdp", 4, ("qwen2",))
+    reads = _stage_reads(result, "qwen2", "pp_fsdp")
+    assert len(reads) == 4 and all(read < 0.4 * total for read, total in reads), reads
     reports = [json.loads(m) for m in re.findall(r"^MEMORY (.*)$", result.stdout, re.M)]
     assert len(reports) == 4, result.stdout
     for report in reports:

@@ -19,7 +19,10 @@ the whole state (parameters, persistent and non-persistent buffers) and compares
 * ``ep``: ``Hybrid(dp_shard=2, ep=2)``, which a transformers Mixtral must refuse in one line before
   any collective (kiln's expert parallelism splits kiln.models.MoE layers; transformers' experts
   are none): prints ``REFUSED``;
-* ``pp``: a 2-stage pipeline;
+* ``pp``: a 2-stage pipeline; ``pp_fsdp``/``pp_tp``: ``Hybrid(pp=2, dp_shard=2)`` / ``Hybrid(pp=2,
+  tp=2)`` (4 ranks). Under each, this rank must have read from the files exactly the bytes of its
+  own stage's tensors (its shards of them), counted at kiln's one reader (``SafetensorsFile.read``),
+  and less than the whole model: ``OK ... read N of TOTAL bytes``;
 * ``memory``: load ``SAVE_DIR/big`` once under zero3 and print this rank's resident memory growth
   (VmHWM and RssAnon) against the model's size.
 """
@@ -53,6 +56,12 @@ def strategy(name: str, model: HuggingFaceModel):
     if name == "pp":  # two stages: the first half of the layers and the rest
         layers = model.model.config.num_hidden_layers
         return kiln.parallel.Pipeline([f"model.model.layers.{layers // 2}"], example_input=EXAMPLE, microbatches=2)
+    if name in ("pp_fsdp", "pp_tp"):  # two stages, each sharded over 2 ranks
+        layers = model.model.config.num_hidden_layers
+        inner = {"dp_shard": 2} if name == "pp_fsdp" else {"tp": 2}
+        return kiln.parallel.Hybrid(
+            pp=2, **inner, split_points=[f"model.model.layers.{layers // 2}"], example_input=EXAMPLE, microbatches=2
+        )
     if name == "tp":
         return kiln.parallel.TensorParallel(plan=mixtral_plan() if mixtral else None)
     if name == "hybrid":
@@ -66,7 +75,7 @@ def full_state(engine: kiln.Engine, name: str) -> dict[str, torch.Tensor]:
     """Every parameter and buffer (non-persistent ones too) of the model, whole, by name."""
     from torch.distributed.tensor import DTensor
 
-    if name == "pp":  # each stage's tensors, gathered whole by the pipeline's own state dict
+    if name.startswith("pp"):  # each stage's tensors, gathered whole by the pipeline's own state dict
         from kiln.parallel.pipelining.runtime import full_pipeline_state_dict
 
         state = full_pipeline_state_dict(engine.model)
@@ -124,27 +133,78 @@ def transformers_model(name: str):
     return AutoModelForCausalLM.from_pretrained(str(FOLDER / name))
 
 
+READ: list[int] = []  # bytes this rank read from the safetensors files, one entry per read
+
+
+def count_reads() -> None:
+    """Count every read kiln's loader makes from the files (SafetensorsFile.read is its one reader)."""
+    from kiln.models import hf_weights
+
+    read = hf_weights.SafetensorsFile.read
+
+    def counted(self, key, box=None):
+        value = read(self, key, box)
+        READ.append(value.numel() * value.element_size())
+        return value
+
+    hf_weights.SafetensorsFile.read = counted
+
+
+def file_bytes(folder: Path) -> dict[str, int]:
+    """Each tensor's bytes in the files, by key."""
+    from kiln.models.hf_weights import SafetensorsFile, checkpoint_keys
+
+    sizes = {}
+    for path in sorted(set(checkpoint_keys(folder).values())):
+        file = SafetensorsFile(path)
+        sizes.update({key: entry["data_offsets"][1] - entry["data_offsets"][0] for key, entry in file.entries.items()})
+        file.close()
+    return sizes
+
+
+def stage_reads(engine: kiln.Engine, folder: Path, read: int) -> str:
+    """Under a pipeline: this rank read the bytes of its own stage's weights from the files (with
+    FSDP or tensor parallelism in the stage, of its shards), each once, and no more (a tied head in
+    the last stage reads the embedding it is tied to)."""
+    sizes = file_bytes(folder)
+    tied = dict(engine.strategy.pipeline.model.model.all_tied_weights_keys or {})
+    held: dict[int, tuple[str, torch.Tensor]] = {}  # each tensor this rank holds, by one of its names
+    for key, value in engine.model.state_dict(keep_vars=True).items():
+        held.setdefault(id(value), (key.removeprefix("model."), value))
+    want = 0
+    for key, value in held.values():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        want += sizes[tied.get(key, key)] * local.numel() // value.numel()
+    total = sum(sizes.values())
+    assert read == want, f"{folder.name}: this rank read {read} bytes; its stage's weights are {want} bytes"
+    assert read < total, f"{folder.name}: this rank read {read} bytes, the whole model is {total}"
+    return f"read {read} of {total} bytes"
+
+
 def compare(name: str, case: str) -> None:
     folder = FOLDER / name
     model = HuggingFaceModel.from_pretrained(str(folder))
     assert all(p.is_meta for p in model.parameters()), "from_pretrained must build on the meta device"
+    READ.clear()
     engine = kiln.Engine(model, strategy=strategy(case, model))
+    read = sum(READ)
     if case in ("tp", "hybrid"):
         check_sequence_parallel(engine, name)
     got = full_state(engine, case)
     want_model = transformers_model(name)
-    if case != "pp":  # tied weights stay one parameter (the stages of a pipeline are traced copies)
+    if not case.startswith("pp"):  # tied weights stay one parameter (the stages of a pipeline are traced copies)
         ties = shared_names(engine.strategy.unwrap(engine.model), prefix="model.")
         assert ties == shared_names(want_model), f"{name}: tied {ties}, transformers {shared_names(want_model)}"
     want = {n: t for n, t in [*want_model.named_parameters(remove_duplicate=False), *want_model.named_buffers()]}
-    if case == "pp":  # the stages hold the persistent state only
+    if case.startswith("pp"):  # the stages hold the persistent state only
         want = {k: v for k, v in want_model.state_dict().items()}
     missing = sorted(set(want) - set(got))
     assert not missing, f"{name}: not in the loaded model: {missing}"
     for key, value in want.items():
         assert got[key].dtype == value.dtype, f"{name}: {key} is {got[key].dtype}, transformers {value.dtype}"
         assert torch.equal(got[key], value), f"{name}: {key} differs from transformers' from_pretrained"
-    print(f"OK {name} {case} {len(want)} tensors", flush=True)
+    reads = stage_reads(engine, folder, read) if case.startswith("pp") else ""
+    print(f"OK {name} {case} {len(want)} tensors {reads}".rstrip(), flush=True)
 
 
 def rss() -> dict[str, int]:
@@ -183,6 +243,7 @@ def memory() -> None:
 
 def main() -> None:
     kiln.launch_from_torch(seed=0)
+    count_reads()
     for case in sys.argv[2:]:
         name, _, models = case.partition(":")
         if name == "memory":

@@ -23,6 +23,12 @@ equal to the bit:
   is initialised by the model's own ``initialize_weights``, which skips what was loaded (the
   ``_is_hf_initialized`` mark transformers itself sets).
 
+Under a pipeline no rank holds the whole model either: :func:`load_pretrained_buffers` gives the
+buffers their values before the trace (the parameters stay on the meta device; the pipeline traces
+them as fake tensors, :mod:`kiln.parallel.pipelining.runtime`), and after the cut and the stage's
+own tensor-parallel and FSDP steps :func:`load_stage_weights` reads each rank's part of its
+stage(s), by the names the stage keeps (the original ones).
+
 Why here, in ``kiln.models``: the reading needs torch, safetensors and the transformers model,
 nothing of kiln above this layer, so the strategy layer (which decides *when*: after its sharding
 steps, :func:`kiln.parallel.transforms.parallelize.materialize`) calls down into it through the
@@ -49,9 +55,12 @@ __all__ = [
     "SafetensorsFile",
     "checkpoint_keys",
     "is_local_checkpoint",
+    "load_pretrained_buffers",
     "load_pretrained_weights",
+    "load_stage_weights",
     "materialize_meta",
     "meta_model",
+    "missing_parameters",
     "resolve_dtype",
 ]
 
@@ -377,6 +386,40 @@ def materialize_meta(module: nn.Module, device: torch.device | str) -> None:
             table[name] = first_table[first_name]
 
 
+class _Checkpoint:
+    """The folder's files opened once, and where each of ``hf_model``'s tensors is in them."""
+
+    def __init__(self, hf_model: nn.Module, folder: str | os.PathLike) -> None:
+        keys = checkpoint_keys(folder)
+        self.handles = {file: SafetensorsFile(file) for file in sorted(set(keys.values()))}
+        self.files = {key: self.handles[file] for key, file in keys.items()}
+        self.layout = _layout(hf_model, keys, self.files)
+        self.tied = dict(
+            getattr(hf_model, "all_tied_weights_keys", None) or getattr(hf_model, "_tied_weights_keys", None) or {}
+        )
+
+    def source(self, names: list[str]) -> str | None:
+        """The model name (of ``names``, one tensor's) whose pieces the files hold; None: none."""
+        found = next((n for n in names if n in self.layout), None)
+        if found is None:  # a tied weight saved once, under its source's name
+            found = next((self.tied[n] for n in names if n in self.tied and self.tied[n] in self.layout), None)
+        return found
+
+    def read(self, names: list[str], tensor: torch.Tensor) -> bool:
+        """Read this rank's part of ``tensor`` (named ``names``); False when the files lack it."""
+        found = self.source(names)
+        if found is None:
+            return False
+        local, shape, offset = _local_box(tensor)
+        _read_into(local, shape, offset, self.layout[found], self.files)
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' own mark: skip in initialize_weights
+        return True
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+
+
 def load_pretrained_weights(hf_model: nn.Module, folder: str | os.PathLike, device: torch.device | str) -> list[str]:
     """Fill ``hf_model`` (a transformers model, sharded or not, on the meta device or not) from the
     safetensors files in ``folder``: each rank reads only its own shards. Returns the model's keys
@@ -388,31 +431,93 @@ def load_pretrained_weights(hf_model: nn.Module, folder: str | os.PathLike, devi
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
         load_pretrained_weights(model, folder, "cpu")
     """
-    folder = Path(folder)
-    keys = checkpoint_keys(folder)
-    handles = {file: SafetensorsFile(file) for file in sorted(set(keys.values()))}
-    files = {key: handles[file] for key, file in keys.items()}
-    layout = _layout(hf_model, keys, files)
-    tied = dict(getattr(hf_model, "all_tied_weights_keys", None) or getattr(hf_model, "_tied_weights_keys", None) or {})
+    checkpoint = _Checkpoint(hf_model, folder)
     materialize_meta(hf_model, device)
     missing: list[str] = []
-    with torch.no_grad():
-        for names, tensor in _tensors(hf_model):
-            found = next((n for n in names if n in layout), None)
-            if found is None:  # a tied weight saved once, under its source's name
-                found = next((tied[n] for n in names if n in tied and tied[n] in layout), None)
-            if found is None:
-                missing.extend(names)
-                continue
-            local, shape, offset = _local_box(tensor)
-            _read_into(local, shape, offset, layout[found], files)
-            tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' own mark: skip in initialize_weights
-    for handle in handles.values():
-        handle.close()
+    try:
+        with torch.no_grad():
+            for names, tensor in _tensors(hf_model):
+                if not checkpoint.read(names, tensor):
+                    missing.extend(names)
+    finally:
+        checkpoint.close()
     init = getattr(hf_model, "initialize_weights", None)
     if callable(init):  # non-persistent buffers (rotary inv_freq) and missing keys, as from_pretrained does
         init()
     return missing
+
+
+# -- a model cut into pipeline stages: the buffers before the cut, each stage's parameters after ---
+def missing_parameters(hf_model: nn.Module, folder: str | os.PathLike) -> list[str]:
+    """The names of ``hf_model``'s parameters the files in ``folder`` do not hold (a tied weight
+    saved under its source's name is held)."""
+    checkpoint = _Checkpoint(hf_model, folder)
+    checkpoint.close()
+    names: dict[int, list[str]] = {}
+    for name, value in hf_model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(value), []).append(name)
+    return [n for group in names.values() if checkpoint.source(group) is None for n in group]
+
+
+def load_pretrained_buffers(hf_model: nn.Module, folder: str | os.PathLike, device: torch.device | str) -> None:
+    """Storage on ``device`` and values for ``hf_model``'s buffers only, its parameters left on the
+    meta device (a pipeline reads them stage by stage after the cut: :func:`load_stage_weights`).
+    Persistent buffers are read from the files; the rest (rotary ``inv_freq``) are initialised by
+    the model's ``initialize_weights``, as transformers' ``from_pretrained`` does, which leaves
+    meta parameters as they are (an init on the meta device computes nothing). Buffers are small:
+    every rank holds them whole, and a pipeline's trace copies them into each decoder layer
+    (:mod:`kiln.models.hf_stages`) before the cut."""
+    checkpoint = _Checkpoint(hf_model, folder)
+    buffers: set[int] = set()
+    for module in hf_model.modules():
+        made: dict[int, torch.Tensor] = {}
+        for name, value in module._buffers.items():
+            if value is not None and value.is_meta:
+                module._buffers[name] = made.setdefault(id(value), torch.empty_like(value, device=device))
+        buffers.update(id(b) for b in module._buffers.values() if b is not None)
+    try:
+        with torch.no_grad():
+            for names, tensor in _tensors(hf_model):
+                if id(tensor) in buffers:
+                    checkpoint.read(names, tensor)
+    finally:
+        checkpoint.close()
+    init = getattr(hf_model, "initialize_weights", None)
+    if callable(init):
+        init()
+
+
+def load_stage_weights(
+    hf_model: nn.Module, folder: str | os.PathLike, device: torch.device | str, stage: nn.Module, prefix: str
+) -> int:
+    """Storage on ``device`` for the meta tensors of ``stage`` (a pipeline stage cut from a model
+    that holds ``hf_model`` at ``prefix``, with its names; sharded by the stage's tensor parallel
+    and FSDP steps or not) and this rank's part of each, read from the files in ``folder``: a
+    pipeline rank reads the weights of its own stage(s) only. A weight two stages hold (tied
+    embeddings: the first stage's embedding, the last stage's head) is read by each. Returns the
+    number of tensors read; a stage tensor the files do not hold raises a ``KeyError``."""
+    # materialize_meta replaces the meta tensors with new ones: they are found again by name
+    meta = {name for names, tensor in _tensors(stage) if tensor.is_meta for name in names}
+    if not meta:
+        return 0
+    checkpoint = _Checkpoint(hf_model, folder)
+    materialize_meta(stage, device)
+    read = 0
+    try:
+        with torch.no_grad():
+            for names, tensor in _tensors(stage):
+                if not meta.intersection(names):
+                    continue
+                own = [n.removeprefix(prefix) for n in names if n.startswith(prefix)]
+                if not checkpoint.read(own, tensor):
+                    raise KeyError(
+                        f"pipeline stage tensor {names[0]!r} is not in the safetensors files of {folder}; "
+                        "load the model with HuggingFaceModel.from_pretrained(..., meta_init=False)"
+                    )
+                read += 1
+    finally:
+        checkpoint.close()
+    return read
 
 
 def meta_model(auto_class: Any, folder: Path, dtype: torch.dtype | str | None, kwargs: dict[str, Any]) -> nn.Module:

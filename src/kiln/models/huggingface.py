@@ -246,8 +246,12 @@ class HuggingFaceModel(Model):
         """Give the (possibly sharded) meta tensors storage on ``device`` (None: where the
         buffers are, else the CPU) and read this rank's part of the pretrained weights into them.
         A strategy's setup calls it once its sharding steps are done
-        (:func:`kiln.parallel.transforms.parallelize.materialize`). Does nothing when nothing is deferred."""
-        from kiln.models.hf_weights import load_pretrained_weights, materialize_meta
+        (:func:`kiln.parallel.transforms.parallelize.materialize`). Does nothing when nothing is deferred.
+
+        After :meth:`read_weights_per_stage` (a pipeline, before its whole-model steps) only the
+        buffers are read here; the parameters stay on the meta device through the trace and the
+        cut, and each rank reads its stages' own in :meth:`load_stage_weights`."""
+        from kiln.models.hf_weights import load_pretrained_buffers, load_pretrained_weights, materialize_meta
 
         pretrained = getattr(self, "_pretrained", None)
         if pretrained is None:
@@ -256,11 +260,48 @@ class HuggingFaceModel(Model):
             device = next(
                 (t.device for t in [*self.parameters(), *self.buffers()] if not t.is_meta), torch.device("cpu")
             )
+        if self._per_stage:  # once: the trace runs the forward (and this pre-hook) again
+            if any(b.is_meta for b in self.buffers()):
+                load_pretrained_buffers(self.model, pretrained.folder, device)
+            return
         # on the wrapper, not only the transformers model: FSDP2 re-registers its shards in its own
         # modules' _apply, and the wrapper is FSDP's root
         materialize_meta(self, device)
         load_pretrained_weights(self.model, pretrained.folder, device)
+        self._loaded()
+
+    _per_stage = False  # set by read_weights_per_stage: the parameters are read stage by stage
+
+    def read_weights_per_stage(self) -> None:
+        """Have a pipeline read the weights stage by stage: :meth:`load_deferred_weights` (the end
+        of the pipeline's whole-model steps) then reads the buffers only, and the parameters stay
+        on the meta device until :meth:`load_stage_weights`, after the cut and the stages' own
+        sharding steps, so no pipeline rank ever holds the whole model. A model whose files lack
+        some parameter (transformers initialises it, at random) is read whole here, as before a cut."""
+        from kiln.models.hf_weights import missing_parameters
+
+        pretrained = getattr(self, "_pretrained", None)
+        if pretrained is not None and not missing_parameters(self.model, pretrained.folder):
+            self._per_stage = True
+
+    def load_stage_weights(self, stages: Sequence[nn.Module], device: torch.device | str, prefix: str = "") -> None:
+        """Storage on ``device`` and this rank's part of the pretrained weights for the meta tensors
+        of ``stages`` (pipeline stage modules cut from a model that holds this wrapper at
+        ``prefix``, with the original names), after their tensor-parallel and FSDP steps: each
+        reads the weights it keeps and no more (:func:`kiln.models.hf_weights.load_stage_weights`).
+        Called once, with every stage of the rank; the weights are then no longer deferred."""
+        from kiln.models.hf_weights import load_stage_weights
+
+        pretrained = getattr(self, "_pretrained", None)
+        if pretrained is None:
+            return
+        for stage in stages:
+            load_stage_weights(self.model, pretrained.folder, device, stage, prefix + "model.")
+        self._loaded()
+
+    def _loaded(self) -> None:
         self._pretrained = None
+        self._per_stage = False
         self._pretrained_hook.remove()
 
     # -- kiln.Model ----------------------------------------------------------------------------

@@ -69,6 +69,13 @@ class PipelineSteps(Strategy):
         """The whole-model steps, then the cut into stages (on the first batch, or now from
         ``example_input``), then the per-stage steps on each of this rank's stages (see
         :mod:`kiln.parallel.transforms.parallelize`). Returns the module to train with."""
+        # A model whose weights are deferred (HuggingFaceModel.from_pretrained, built on the meta
+        # device) keeps its parameters there through the trace and the cut; each rank then reads
+        # its own stages' weights after their sharding steps (PipelineRuntime.build), never the whole.
+        for module in model.modules():
+            per_stage = getattr(module, "read_weights_per_stage", None)
+            if getattr(module, "deferred_weights", False) and callable(per_stage):
+                per_stage()
         # with the optimizer: a whole-model step that replaces parameters (placement of a model built
         # on the meta device, in a dry run) re-points it, as the per-stage steps do later
         model = parallelize(self, model, plan, optimizer=optimizer, only=WHOLE_MODEL_STEPS)

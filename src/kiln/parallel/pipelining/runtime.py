@@ -2,7 +2,11 @@
 
 The model is traced once (``torch.distributed.pipelining.pipeline``, torch.export underneath) and
 cut before each split point; each rank keeps its stage(s), with the original parameter names (which
-stages, and which schedules need several per rank: :mod:`kiln.parallel.pipelining.schedules`). A
+stages, and which schedules need several per rank: :mod:`kiln.parallel.pipelining.schedules`).
+A model whose weights are read after the strategy's steps (``HuggingFaceModel.from_pretrained``,
+built on the meta device) is traced with its parameters as fake tensors (no storage, as in a dry
+run) and each rank reads its own stages' weights after the cut and their sharding steps
+(``load_stage_weights``): no pipeline rank ever holds the whole model. A
 batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B, or the zero-bubble
 interleaved, ZBV and DualPipeV) runs the forward, the loss on the last stage and the backward of
 every microbatch in one ``schedule.step``.
@@ -35,8 +39,9 @@ every rank. The traced shapes are fixed: every batch must have the shape of the 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -213,6 +218,91 @@ def _skip_connection(pipe: Any) -> str | None:
     return None
 
 
+def _weights_per_stage(model: nn.Module) -> list[tuple[str, Any]]:
+    """The modules of ``model`` (with their names and a dot) whose parameters are still on the
+    meta device, to be read stage by stage after the cut (``HuggingFaceModel.read_weights_per_stage``)."""
+    return [
+        (f"{name}." if name else "", module)
+        for name, module in model.named_modules()
+        if getattr(module, "_per_stage", False)
+        and getattr(module, "deferred_weights", False)
+        and callable(getattr(module, "load_stage_weights", None))
+        and any(p.is_meta for p in module.parameters())
+    ]
+
+
+@contextmanager
+def _on_fake_tensors(model: nn.Module, device: torch.device) -> Iterator[dict[int, torch.Tensor]]:
+    """While tracing: every parameter and buffer of ``model`` is a fake tensor on ``device`` (meta
+    parameters cannot meet the batch's device in a trace; fake ones have no storage either, as in a
+    dry run), tied ones one fake. Yields the map from each fake's id to the tensor it stands for;
+    the model gets its own tensors back when the block ends."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    with mode:
+        for module in model.modules():
+            tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+            for table in tables:
+                for name, value in list(table.items()):
+                    if value is None:
+                        continue
+                    if id(value) not in fakes:
+                        data = torch.empty_like(value, device=device if value.is_meta else value.device)
+                        fake = nn.Parameter(data, value.requires_grad) if isinstance(value, nn.Parameter) else data
+                        fakes[id(value)], originals[id(fake)] = fake, value
+                    swapped.append((table, name, value))
+                    table[name] = fakes[id(value)]
+    try:
+        with mode, warnings.catch_warnings():
+            # torch copies a parameter several stages use (tied embeddings) with deepcopy, which
+            # reads a fake tensor's data pointer; the copies are replaced by _put_back
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield originals
+    finally:
+        for table, name, value in swapped:
+            table[name] = value
+
+
+def _put_back(split: nn.Module, originals: Mapping[int, torch.Tensor], model: nn.Module) -> None:
+    """The cut stages' tensors after a trace on fake ones: each the tensor its fake stood for (the
+    model's meta parameters, its real buffers). torch copies a parameter that several stages use
+    (tied embeddings: the first stage's embedding, the last stage's head) into each of them, so
+    that no two stages share it; a copy becomes the model's own parameter again where its stage
+    holds that one too under its other name (torch leaves both names in the first stage: one
+    tensor, read once), else a meta parameter of its own, read from the files like the others."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    for stage in split.children():
+        places = [
+            (f"{prefix}.{name}" if prefix else name, table, name, value)
+            for prefix, module in stage.named_modules()
+            for table in (module._parameters, module._buffers)
+            for name, value in table.items()
+            if value is not None and (id(value) in originals or is_fake(value))
+        ]
+        held = {id(originals[id(value)]) for *_, value in places if id(value) in originals}
+        for fqn, table, name, value in places:
+            original = originals.get(id(value))
+            if original is None and isinstance(value, nn.Parameter):
+                source = by_name.get(fqn)
+                original = (
+                    source
+                    if source is not None and id(source) in held
+                    else nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device="meta"), value.requires_grad)
+                )
+            if original is None:
+                raise RuntimeError(
+                    f"pipeline stage tensor {fqn!r} was made while tracing on fake tensors and has no values; "
+                    "load the model with meta_init=False"
+                )
+            table[name] = original
+
+
 def _non_persistent_buffers(model: nn.Module) -> set[str]:
     """The names of ``model``'s buffers that its state dict leaves out (rotary frequencies, ...)."""
     return {
@@ -301,12 +391,16 @@ class PipelineRuntime:
             self.trace_context(self.model) if self.trace_context is not None else nullcontext(),
         ):
             not_saved = _non_persistent_buffers(self.model)
-            pipe = pipeline(
-                self.model,
-                mb_args=mb_args[0],
-                mb_kwargs=mb_kwargs[0],
-                split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
-            )
+            staged = _weights_per_stage(self.model)
+            with _on_fake_tensors(self.model, self.device) if staged else nullcontext() as originals:
+                pipe = pipeline(
+                    self.model,
+                    mb_args=mb_args[0],
+                    mb_kwargs=mb_kwargs[0],
+                    split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
+                )
+        if staged:
+            _put_back(pipe.split_gm, originals or {}, self.model)
         if pipe.num_stages != self.num_stages:
             raise ValueError(
                 f"Pipeline split_points={self.split_points!r} gave {pipe.num_stages} stages instead of "
@@ -328,6 +422,8 @@ class PipelineRuntime:
             # after FSDP (in transform): autocast and FSDP's bf16 would send what the receiving
             # stage's traced buffer cannot hold (see kiln.parallel.pipelining.boundary)
             keep_traced_dtypes(stage.submod, stage_dtypes)
+        for prefix, module in staged:  # after the stages' own sharding steps: each rank reads its shards
+            module.load_stage_weights([stage.submod for stage in stages], self.device, prefix)
         self.view.show_stages([stage.submod for stage in stages])
         self.view.train(self.view.training)
         repoint_optimizer(

@@ -386,8 +386,11 @@ def materialize(model: nn.Module, plan: ParallelizePlan) -> None:
     deferred: each such module's ``load_deferred_weights`` (:mod:`kiln.models.hf_weights`), once the
     steps that shard it (tensor parallel, FSDP) have run, so each rank allocates and reads only its
     shards. :func:`parallelize` calls it after its steps, or just before a data-parallel wrapper that
-    does not shard (DDP); a pipeline's whole-model steps end with it, before the trace, which needs
-    real weights (each rank holds the whole model until the cut anyway). Nothing deferred: nothing."""
+    does not shard (DDP); a pipeline's whole-model steps end with it, before the trace: a module
+    that reads its weights stage by stage (``read_weights_per_stage``, which the pipeline calls
+    first) then gets its buffers only, and each pipeline rank reads its own stages' parameters after
+    the cut and the stages' steps (:class:`kiln.parallel.pipelining.runtime.PipelineRuntime`);
+    another is read whole there. Nothing deferred: nothing."""
     for module in _deferred(model):
         module.load_deferred_weights(plan.ctx.device)  # type: ignore[operator]  # the protocol's method
 
