@@ -1,6 +1,7 @@
 """Memory per rank of a searched plan, in closed form: what kiln's dry run measures of the plan's
-largest stage (:mod:`kiln.planning.search` prices its plans with :func:`plan_memory`;
-``tests/test_search_vs_dry_run.py`` holds the two within 10% over a grid of plans).
+largest stage (:mod:`kiln.planning.search_cost` prices the search's plans with :func:`plan_memory`;
+``tests/test_search_vs_dry_run.py`` holds the two within 10% over a grid of plans). The bytes per
+element of kiln's precisions (:func:`precision_bytes`, :func:`residual_bytes`) live here too.
 
 Per rank, in bytes (``pb``/``gb``: parameter and reduced-gradient bytes per element; ``S``: the
 stage's parameters, its blocks' attention and MLP Linears divided by ``tp``, the embedding and LM
@@ -57,9 +58,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-__all__ = ["PRECISION_BYTES", "PlanMemory", "plan_memory", "precision_bytes"]
+if TYPE_CHECKING:  # the shape's type only: search_shape imports torch's nn at import time
+    from kiln.planning.search_shape import ModelShape
+
+__all__ = ["PRECISION_BYTES", "PlanMemory", "plan_memory", "precision_bytes", "residual_bytes", "stage_params"]
 
 # (parameter, reduced gradient, compute, residual stream) bytes per element, by kiln precision name
 PRECISION_BYTES = {
@@ -80,6 +84,14 @@ def precision_bytes(precision: str | None) -> tuple[int, int, int, int]:
     return PRECISION_BYTES[name]
 
 
+def residual_bytes(precision: str, *, dp: int, pp: int) -> int:
+    """Bytes per element of the residual stream: FSDP gathers amp's parameters in the compute dtype,
+    so the embedding's output and every add after it are in it; without FSDP, or in a pipeline stage
+    (traced in fp32, whose output is cast back to it), autocast leaves them fp32."""
+    _, _, cb, rb = precision_bytes(precision)
+    return cb if ((dp > 1 and pp == 1) or not precision.startswith("amp")) else rb
+
+
 @dataclass(frozen=True)
 class PlanMemory:
     """Bytes per rank of a plan's largest stage; ``moments`` are the activation moments of the
@@ -96,7 +108,7 @@ class PlanMemory:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def stage_params(shape: Any, tp: int, pp: int, vocab_split: bool) -> tuple[int, int, int]:
+def stage_params(shape: ModelShape, tp: int, pp: int, vocab_split: bool) -> tuple[int, int, int]:
     """(parameters of the first stage, of the last, of one block) on one tensor-parallel rank."""
     layers = math.ceil(shape.num_layers / pp)
     block = shape.layer_params - shape.layer_split_params + shape.layer_split_params // tp
@@ -110,7 +122,7 @@ def stage_params(shape: Any, tp: int, pp: int, vocab_split: bool) -> tuple[int, 
 
 
 def plan_memory(
-    shape: Any,
+    shape: ModelShape,
     *,
     dp: int,
     tp: int,
@@ -122,12 +134,10 @@ def plan_memory(
     precision: str,
     optimizer_factor: int,
 ) -> PlanMemory:
-    """The closed form of the module docstring for a plan of ``shape`` (a
-    :class:`kiln.planning.search.ModelShape`)."""
-    pb, gb, cb, rb = precision_bytes(precision)
+    """The closed form of the module docstring for a plan of ``shape``."""
+    pb, gb, cb, _ = precision_bytes(precision)
     amp = precision.startswith("amp")
-    sp = bool(shape.sequence_parallel) and tp > 1 and pp == 1
-    lp = sp and not shape.tied
+    sp, lp = shape.sequence_parallel_at(tp, pp), shape.loss_parallel_at(tp, pp)
     fsdp = dp > 1
     first, last, block = stage_params(shape, tp, pp, lp)
     stage = max(first, last)
@@ -143,10 +153,7 @@ def plan_memory(
     h, V, d = shape.hidden, shape.vocab, shape.head_dim
     q, kv, n, f = shape.heads * d, shape.kv_heads * d, shape.heads, shape.ffn
     T, Q = tp, (tp if sp else 1)
-    # the residual stream's bytes: FSDP gathers amp's parameters in the compute dtype, so the
-    # embedding's output and every add after it are bf16; without FSDP, or in a pipeline stage
-    # (traced in fp32, whose output is cast back to it), autocast leaves them fp32
-    a = cb if ((fsdp and pp == 1) or not amp) else rb
+    a = residual_bytes(precision, dp=dp, pp=pp)
     layers = math.ceil(shape.num_layers / pp)
 
     # a norm: its fp32 input (a copy unless the stream is fp32 already) and normalised output on the
