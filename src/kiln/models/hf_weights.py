@@ -469,8 +469,8 @@ def load_pretrained_buffers(hf_model: nn.Module, folder: str | os.PathLike, devi
     (:mod:`kiln.models.hf_stages`) before the cut."""
     checkpoint = _Checkpoint(hf_model, folder)
     buffers: set[int] = set()
+    made: dict[int, torch.Tensor] = {}  # a buffer several modules hold stays one
     for module in hf_model.modules():
-        made: dict[int, torch.Tensor] = {}
         for name, value in module._buffers.items():
             if value is not None and value.is_meta:
                 module._buffers[name] = made.setdefault(id(value), torch.empty_like(value, device=device))
