@@ -382,3 +382,17 @@ def test_the_activation_count_follows_storage_resizes():
             gathered.untyped_storage().resize_(0)  # freed after it
     assert tracker.events == [(1, 4096), (1, -4096)] * 2
     assert tracker.peak(set()) == 4096
+
+
+def test_plain_tensor_parallelism_all_reduces_the_norms_gradients_once_a_step():
+    # Under TensorParallel (no FSDP) sequence parallelism's norms are Replicate weights applied to
+    # sequence shards: their gradients leave the backward as partial sums, summed once a step over
+    # tp in one all-reduce after the last backward (kiln.parallel.state.replicated_grads): the 5
+    # norms' fp32 gradients, 2 x LAYERS + 1 weights of HIDDEN. Before, DTensor summed them inside
+    # each AdamW op that read them (lerp_ once, addcmul_ twice: 15 all-reduces of 512 B), within
+    # DTensor's dispatch, where the counter's mode is off: the dry run counted no all-reduce at all.
+    # (Loss parallelism's per-token all-reduces run there too and are still not counted.)
+    report = dry_run(load_trainer_args(config({"strategy": "tp"}), world_size=2), 2)
+    (rank,) = report.ranks
+    assert rank.collectives["all_reduce"] == {"tp": (2 * LAYERS + 1) * HIDDEN * 4}
+    assert rank.calls["all_reduce"] == {"tp": 1}

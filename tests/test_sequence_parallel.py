@@ -2,8 +2,9 @@
 
 workers/sp_parity_worker.py trains a tiny Llama (transformers LlamaConfig, 2 layers, vocabulary 256,
 grouped-query attention) and a tiny MoELlama (a dense and a MoE block with a shared expert,
-vocabulary 96) in float64 under plain SGD with kiln's Engine: tp=2 on 2 processes (TensorParallel())
-and tp=2 x FSDP dp_shard=2 on 4 (Hybrid(dp_shard=2, tp=2)), with sequence and loss parallelism on by
+vocabulary 96) in float64 under plain SGD (the Llama under AdamW too: ``llama_tp2_adamw``) with
+kiln's Engine: tp=2 on 2 processes (TensorParallel()) and tp=2 x FSDP dp_shard=2 on 4
+(Hybrid(dp_shard=2, tp=2)), with sequence and loss parallelism on by
 default, each with gradient accumulation over 2 micro-steps and clipping below every step's norm at
 once, against a plain torch loop on the global batch, two label positions of every sequence ignored
 (-100). Compared: every step's loss, the first step's gradients, the weights after 3 steps and every
@@ -45,7 +46,7 @@ import pytest
 from distributed import WORKERS, check, fork_run
 
 TOL = 1e-9
-TWO = ["llama_tp2", "moe_tp2", "llama_tp2_off"]
+TWO = ["llama_tp2", "moe_tp2", "llama_tp2_off", "llama_tp2_adamw"]
 FOUR = ["llama_fsdp2_tp2", "moe_fsdp2_tp2"]
 # a Hugging Face Llama in 4 stages (1F1B) and in 8 stages, 2 a rank (interleaved 1F1B), on 4 ranks
 PIPELINES = ["llama_pp4_1f1b", "llama_pp4_interleaved"]
@@ -80,6 +81,21 @@ def test_sequence_parallel_parity(results, case):
     assert not r["grad_missing"] and not r["weight_missing"], r
     for key in ("loss_abs", "grad_abs", "weight_abs", "norm_abs"):
         assert r[key] < TOL, f"{case}: {key} = {r[key]:.3g} (losses {r['losses']} vs {r['ref_losses']})"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("case", ["llama_tp2", "llama_tp2_adamw"])
+def test_replicated_gradients_are_summed_once_a_step(results, case):
+    # sequence parallelism's norms (5 Replicate weights of 64 float64) leave the backward as partial
+    # sums; each step's last backward sums them in one all-reduce over tp (TensorParallel.backward),
+    # the first backward of the accumulation none. The optimizer step then all-reduces no gradient:
+    # only clipping's per-tensor norms of the sharded gradients (8 B each at most). Before, DTensor
+    # summed them inside each optimizer op that read them: nothing in the backward, and in the step
+    # SGD 5 and AdamW 15 all-reduces of 512 B (lerp_ once, addcmul_ twice a norm), clipping 5 more.
+    r = results[case]["accum2_clip"]
+    assert r["replicated_grad_bytes"] == 5 * 64 * 8
+    assert r["backward_all_reduce"] == [[1, r["replicated_grad_bytes"]]] * 3, r["backward_all_reduce"]
+    assert all(moved <= 8 * r["sharded_grads"] for _, moved in r["step_all_reduce"]), r["step_all_reduce"]
 
 
 @pytest.mark.world_size(8)

@@ -1,4 +1,4 @@
-"""Tensor + sequence + loss parallelism against one process, under plain SGD in float64.
+"""Tensor + sequence + loss parallelism against one process, under plain SGD (and AdamW) in float64.
 
 Usage: sp_parity_worker.py OUT CASE ... Rank 0 writes OUT/sp_parity.json: {case: {variant: {...}}}.
 Each rank computes the one-process reference itself with a plain torch loop (no Engine) on the whole
@@ -11,6 +11,11 @@ step's global gradient norm. Every case runs gradient accumulation over 2 micro-
 by rank 0 once per (model, clipping) and saved in SP_PARITY_REFS (default OUT), which the test's
 launches share, then sent to every rank.
 
+``llama_tp2_adamw`` runs ``llama_tp2`` under AdamW (its reference too). The sequence-parallel Llama
+cases (COUNTED) also count each step's tensor-parallel all-reduces, those DTensor runs inside its
+ops included (CountAll), in the backwards and in the optimizer step (clipping, the optimizer's ops),
+and report the bytes of the replicated parameters (the norms' weights).
+
 The first forward of every case also records what runs where (forward hooks and a dispatch mode):
 the placements of the row-wise projections' outputs (a reduce-scatter leaves ``Shard(1)``), of the
 norms' outputs, the logits' placements and local shape, and the largest tensor any op of one
@@ -18,6 +23,7 @@ training micro-step (forward, loss, backward) left on the rank whose last dimens
 vocabulary: none under loss parallelism.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -29,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kiln
 from kiln.parallel import Hybrid, Pipeline, TensorParallel, full_model_state_dict
+from kiln.planning.comm_count import CollectiveCounter
 
 LR, CLIP, STEPS, GLOBAL_BATCH = 0.5, 0.05, 3, 8
 # (gradient_accumulation, clip_grad_norm)
@@ -63,6 +70,8 @@ MOE = dict(
 CASES = {
     "llama_tp2": ("llama", lambda: TensorParallel()),
     "llama_tp2_off": ("llama", lambda: TensorParallel(sequence_parallel=False)),
+    # the same under AdamW (OPTIMIZERS): a stateful optimizer reads each gradient in several ops
+    "llama_tp2_adamw": ("llama", lambda: TensorParallel()),
     "moe_tp2": ("moe", lambda: TensorParallel()),
     "llama_fsdp2_tp2": ("llama", lambda: Hybrid(dp_shard=2, tp=2)),
     "moe_fsdp2_tp2": ("moe", lambda: Hybrid(dp_shard=2, tp=2)),
@@ -78,6 +87,12 @@ CASES = {
     ),
 }
 PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved", "llama_pp2_tp2_fsdp2"}
+# the optimizer of each case (SGD where not named) and its one-process reference
+OPTIMIZERS = {"llama_tp2_adamw": "adamw"}
+# the cases whose tensor-parallel all-reduces are counted (CountAll), in each step's backwards and in
+# its optimizer step: a sequence-parallel Llama, whose backward all-reduces nothing but its replicated
+# parameters' gradients (the MoELlama's blocks also all-reduce activation gradients)
+COUNTED = {"llama_tp2", "llama_tp2_adamw"}
 ROWWISE = ("o_proj", "down_proj", "wo", "w2")
 NORMS = ("input_layernorm", "post_attention_layernorm", "attention_norm", "ffn_norm")
 
@@ -110,13 +125,36 @@ def make_batches(family):
     return out
 
 
+def make_optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=LR)
+
+
+class CountAll(CollectiveCounter):
+    """kiln's collective counter that also sees the collectives DTensor runs inside its ops (the
+    redistributions an op's sharding needs): a DTensor op is handed back to DTensor, which runs its
+    local ops, collectives included, with this mode on (torch's CommDebugMode does the same)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _tp_all_reduce(counter):
+    return counter.calls.get("all_reduce", {}).get("tp", 0), counter.bytes.get("all_reduce", {}).get("tp", 0)
+
+
 def _clone(state):
     return {k: v.detach().cpu().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def reference(family, clip):
+def reference(family, clip, optimizer="sgd"):
     model = make_model(family)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_optimizer(optimizer, model.parameters())
     losses, grads, norms = [], None, []
     for step, batch in enumerate(make_batches(family)):
         opt.zero_grad(set_to_none=True)
@@ -214,13 +252,16 @@ def run_case(name, accum, clip, ref):
     family, spec = CASES[name]
     ref_losses, ref_grads, ref_weights, ref_norms = ref
     model = make_model(family)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_optimizer(OPTIMIZERS.get(name, "sgd"), model.parameters())
     engine = kiln.Engine(model, opt, model.loss, strategy=spec(), gradient_accumulation=accum, clip_grad_norm=clip)
     # after the styles' own hooks: what leaves each module (a pipeline traces its model: no hooks)
     layout = Layout(engine.module) if name not in PIPELINES else None
     rank, size = engine.data_parallel_rank, engine.data_parallel_size
     losses, norms, grads, seen = [], [], None, {}
+    counted = name in COUNTED
+    backward_counts, step_counts = [], []  # each step's tp all-reduces (calls, bytes)
     for step, batch in enumerate(make_batches(family)):
+        backward_counter, step_counter = CountAll({"tp": 2}), CountAll({"tp": 2})
         step_loss = 0.0
         for m in range(accum):
             micro = {k: v.chunk(accum)[m].chunk(size)[rank] for k, v in batch.items()}
@@ -229,6 +270,9 @@ def run_case(name, accum, clip, ref):
                 with LargestVocabTensor(vocab(family)) as mode:
                     out = engine(micro)
                     loss = engine.criterion(out, micro)
+                # the counter below the mode, which then sees DTensor's ops whole as before (above
+                # it, the counter would hand it their local ops: a backward's full-vocabulary temporaries)
+                with backward_counter if counted else contextlib.nullcontext(), mode:
                     engine.backward(loss)
                 logits = out.logits if hasattr(out, "logits") else out
                 local = logits.to_local() if hasattr(logits, "to_local") else logits
@@ -244,11 +288,15 @@ def run_case(name, accum, clip, ref):
                 layout.remove()
             else:
                 loss = engine.criterion(engine(micro), micro)
-                engine.backward(loss)
+                with backward_counter if counted else contextlib.nullcontext():
+                    engine.backward(loss)
             step_loss += loss.item() / accum
             if step == 0 and m == accum - 1:
                 grads = full_grads(engine.module, pipeline=name in PIPELINES)
-            engine.step()
+            with step_counter if counted else contextlib.nullcontext():
+                engine.step()
+        backward_counts.append(_tp_all_reduce(backward_counter))
+        step_counts.append(_tp_all_reduce(step_counter))
         t = torch.tensor([step_loss], dtype=torch.float64)
         dist.all_reduce(t)
         losses.append(t.item() / dist.get_world_size())
@@ -256,6 +304,16 @@ def run_case(name, accum, clip, ref):
             norms.append(float(engine.last_grad_norm))
     weights = _clone(full_model_state_dict(engine))
     result = {"seen": seen, "losses": losses, "ref_losses": ref_losses}
+    if counted:
+        from torch.distributed.tensor import DTensor
+
+        params = list(engine.module.parameters())
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        result["replicated_grad_bytes"] = sum(
+            p.numel() * p.element_size() for p in dtensors if all(q.is_replicate() for q in p.placements)
+        )
+        result["sharded_grads"] = sum(1 for p in dtensors if any(q.is_shard() for q in p.placements))
+        result["backward_all_reduce"], result["step_all_reduce"] = backward_counts, step_counts
     result["loss_abs"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
     result["grad_abs"], result["grad_missing"] = _diff(grads, ref_grads)
     result["weight_abs"], result["weight_missing"] = _diff(weights, ref_weights)
@@ -265,16 +323,16 @@ def run_case(name, accum, clip, ref):
     return result
 
 
-def shared_reference(family, clip, refs_dir):
-    """The one-process reference of (family, clip): computed once, by rank 0 of the first launch
-    that needs it (saved under ``refs_dir``, which the test's launches share), sent to every rank."""
-    path = os.path.join(refs_dir, f"ref_{family}_{clip}.pt")
+def shared_reference(family, clip, refs_dir, optimizer="sgd"):
+    """The one-process reference of (family, clip, optimizer): computed once, by rank 0 of the first
+    launch that needs it (saved under ``refs_dir``, which the test's launches share), sent to every rank."""
+    path = os.path.join(refs_dir, f"ref_{family}_{clip}_{optimizer}.pt")
     box = [None]
     if dist.get_rank() == 0:
         if os.path.exists(path):
             box[0] = torch.load(path, weights_only=True)
         else:
-            box[0] = reference(family, clip)
+            box[0] = reference(family, clip, optimizer)
             torch.save(box[0], path)
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -288,14 +346,15 @@ def main():
     refs_dir = os.environ.get("SP_PARITY_REFS", out)
     refs, results = {}, {}
     for name in cases:
-        family = CASES[name][0]
+        family, optimizer = CASES[name][0], OPTIMIZERS.get(name, "sgd")
         results[name] = {}
         for variant in variants:
             accum, clip = VARIANTS[variant]
-            if (family, clip) not in refs:
-                refs[family, clip] = shared_reference(family, clip, refs_dir)
+            key = family, clip, optimizer
+            if key not in refs:
+                refs[key] = shared_reference(family, clip, refs_dir, optimizer)
             start = time.perf_counter()
-            results[name][variant] = run_case(name, accum, clip, refs[family, clip])
+            results[name][variant] = run_case(name, accum, clip, refs[key])
             results[name][variant]["seconds"] = time.perf_counter() - start
     if ctx.rank == 0:
         with open(os.path.join(out, "sp_parity.json"), "w") as f:
