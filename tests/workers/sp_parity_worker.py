@@ -13,7 +13,7 @@ launches share, then sent to every rank.
 
 ``llama_tp2_adamw`` runs ``llama_tp2`` under AdamW (its reference too). The sequence-parallel Llama
 cases (COUNTED) also count each step's tensor-parallel all-reduces, those DTensor runs inside its
-ops included (CountAll), in the backwards and in the optimizer step (clipping, the optimizer's ops),
+ops included (count_all), in the backwards and in the optimizer step (clipping, the optimizer's ops),
 and report the bytes of the replicated parameters (the norms' weights).
 
 The first forward of every case also records what runs where (forward hooks and a dispatch mode):
@@ -89,7 +89,7 @@ CASES = {
 PIPELINES = {"llama_pp4_1f1b", "llama_pp4_interleaved", "llama_pp2_tp2_fsdp2"}
 # the optimizer of each case (SGD where not named) and its one-process reference
 OPTIMIZERS = {"llama_tp2_adamw": "adamw"}
-# the cases whose tensor-parallel all-reduces are counted (CountAll), in each step's backwards and in
+# the cases whose tensor-parallel all-reduces are counted (count_all), in each step's backwards and in
 # its optimizer step: a sequence-parallel Llama, whose backward all-reduces nothing but its replicated
 # parameters' gradients (the MoELlama's blocks also all-reduce activation gradients)
 COUNTED = {"llama_tp2", "llama_tp2_adamw"}
@@ -131,17 +131,10 @@ def make_optimizer(kind, params):
     return torch.optim.SGD(params, lr=LR)
 
 
-class CountAll(CollectiveCounter):
+def count_all():
     """kiln's collective counter that also sees the collectives DTensor runs inside its ops (the
-    redistributions an op's sharding needs): a DTensor op is handed back to DTensor, which runs its
-    local ops, collectives included, with this mode on (torch's CommDebugMode does the same)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    redistributions an op's sharding needs: kiln.planning.comm_count, ``inside_dtensor``)."""
+    return CollectiveCounter({"tp": 2}, inside_dtensor=True)
 
 
 def _tp_all_reduce(counter):
@@ -261,7 +254,7 @@ def run_case(name, accum, clip, ref):
     counted = name in COUNTED
     backward_counts, step_counts = [], []  # each step's tp all-reduces (calls, bytes)
     for step, batch in enumerate(make_batches(family)):
-        backward_counter, step_counter = CountAll({"tp": 2}), CountAll({"tp": 2})
+        backward_counter, step_counter = count_all(), count_all()
         step_loss = 0.0
         for m in range(accum):
             micro = {k: v.chunk(accum)[m].chunk(size)[rank] for k, v in batch.items()}

@@ -24,10 +24,21 @@ state sizes; a ring moves (n-1)/n of it over each rank's link):
 Calls are grouped by the mesh dimension of their process group (``dp_shard``, ``tp``, ``pp``,
 ``dp_replicate+dp_shard`` for a group spanning two, ...), told from the group's ranks by
 :func:`mesh_dimension`.
+
+A DTensor op's own collectives, the redistributions its sharding needs (a ``Partial`` operand
+summed for an op with a replicated one, loss parallelism's all-reduces over the vocabulary shards,
+a norm's over the shards), run inside DTensor's ``__torch_dispatch__``. A mode runs an op with
+itself off, so by default the counter sees the DTensor op and none of them: only the
+redistributions tensor parallelism's styles, FSDP2 and kiln call outside any op.
+``inside_dtensor=True`` hands DTensor's ops back to DTensor (``NotImplemented``, as torch's
+``CommDebugMode`` does), which then runs its local ops with the counter on: each of those
+collectives is counted. The modes entered after (above) the counter then see those local ops
+instead of the DTensor op; the modes entered before it (below) see DTensor's ops as they did.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +55,13 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "p2p", "all_
 def tensor_bytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (nested lists and tuples), by shape and dtype."""
     return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+@functools.cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _ops() -> dict[Any, tuple[str, Callable[..., int], Callable[..., Any]]]:
@@ -131,6 +149,8 @@ class CollectiveCounter(TorchDispatchMode):
         sizes: the mesh, outermost dimension first (``{"dp_shard": 4, "tp": 2}``), to name each
             group's dimension (:func:`mesh_dimension`); None names each group by its size
             (``"group of 4"``).
+        inside_dtensor: also count the collectives DTensor runs inside its ops (see the module
+            docstring); enter the counter before any mode that must see DTensor's ops whole.
 
     ``bytes[kind][dimension]`` and ``calls[kind][dimension]`` hold the totals (kinds:
     :data:`KINDS`; see the module docstring for what one call counts).
@@ -142,9 +162,10 @@ class CollectiveCounter(TorchDispatchMode):
         counter.bytes["all_gather"]["dp_shard"]
     """
 
-    def __init__(self, sizes: Mapping[str, int] | None = None) -> None:
+    def __init__(self, sizes: Mapping[str, int] | None = None, *, inside_dtensor: bool = False) -> None:
         super().__init__()
         self.sizes = dict(sizes) if sizes is not None else None
+        self.inside_dtensor = inside_dtensor
         self.bytes: dict[str, dict[str, int]] = {}
         self.calls: dict[str, dict[str, int]] = {}
         self._ops = _ops()
@@ -167,6 +188,8 @@ class CollectiveCounter(TorchDispatchMode):
         return self._names[name]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.inside_dtensor and any(issubclass(t, _dtensor_type()) for t in types):
+            return NotImplemented  # DTensor runs the op's local ops, its collectives too, with this mode on
         out = func(*args, **(kwargs or {}))
         entry = self._ops.get(func)
         if entry is not None:
