@@ -28,7 +28,25 @@ __all__ = [
 
 # The styles of a Hugging Face base_model_tp_plan that mean torch's ColwiseParallel / RowwiseParallel
 # with their defaults (the attention reshapes with -1 heads, so it runs on its local heads).
-_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+_HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "fused_experts": "fused_experts"}
+# transformers' styles for fused MoE experts (Mixtral, Qwen-MoE: ``experts.gate_up_proj``
+# packed_colwise, ``experts.down_proj`` rowwise, ``experts`` moe_tp_experts): one kiln style on the
+# experts module (kiln.parallel.transforms.fused_experts)
+_FUSED_EXPERTS = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise", "": "moe_tp_experts"}
+
+
+def _fused_experts(base_plan: dict[str, str]) -> dict[str, str]:
+    """``base_plan`` with each trio of transformers' fused-experts styles as one ``fused_experts``."""
+    plan = dict(base_plan)
+    for pattern, style in base_plan.items():
+        if style != "moe_tp_experts":
+            continue
+        keys = {f"{pattern}.{p}" if p else pattern: s for p, s in _FUSED_EXPERTS.items()}
+        if all(plan.get(k) == s for k, s in keys.items()):
+            for k in keys:
+                del plan[k]
+            plan[pattern] = "fused_experts"
+    return plan
 
 
 def is_huggingface_module(module: nn.Module) -> bool:
@@ -64,7 +82,7 @@ def huggingface_tp_plan(model: nn.Module) -> dict[str, str] | None:
         base_name = next((n for n, m in module.named_modules() if m is base), "")
         prefix = ".".join(part for part in (name, base_name) if part)
         plan: dict[str, str] = {}
-        for pattern, style in base_plan.items():
+        for pattern, style in _fused_experts(base_plan).items():
             if style not in _HF_STYLES:
                 raise ValueError(
                     f"{type(module.config).__name__}.base_model_tp_plan[{pattern!r}]={style!r} is a transformers "

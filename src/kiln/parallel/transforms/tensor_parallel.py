@@ -30,7 +30,7 @@ __all__ = [
     "check_tp_size",
 ]
 
-_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_rep", "rowwise_rep")
+_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_rep", "rowwise_rep", "fused_experts")
 # Hugging Face's tp_plan spellings that mean the same thing
 _ALIASES = {"sequence_parallel": "sequence", "local_colwise": "colwise", "local_rowwise": "rowwise"}
 _SPLITTABLE = (nn.Linear, nn.Embedding)
@@ -40,6 +40,8 @@ def _style(name: str) -> Any:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    from kiln.parallel.transforms.fused_experts import FusedExpertsParallel
+
     styles: dict[str, Callable[[], Any]] = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
@@ -47,6 +49,8 @@ def _style(name: str) -> Any:
         # the output gathered on every rank (e.g. an LM head feeding an ordinary loss)
         "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
         "rowwise_rep": lambda: RowwiseParallel(output_layouts=Replicate()),
+        # transformers' fused MoE experts (kiln.parallel.transforms.fused_experts)
+        "fused_experts": FusedExpertsParallel,
     }
     return styles[name]()
 
@@ -103,7 +107,18 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[st
                 f"tensor-parallel plan[{pattern!r}]={style!r} is not a style; expected one of "
                 f"{', '.join(_STYLE_NAMES)} or a torch ParallelStyle object"
             )
-        if key != "sequence":
+        if key == "fused_experts":
+            from kiln.parallel.transforms.fused_experts import is_fused_experts
+
+            for name in names:
+                module = model.get_submodule(name)
+                if not is_fused_experts(module):
+                    raise ValueError(
+                        f"tensor-parallel plan[{pattern!r}]={style!r} selects {name!r}, a {type(module).__name__}; "
+                        "fused_experts splits a module of 3-D gate_up_proj and down_proj parameters (transformers' "
+                        "fused MoE experts): point the pattern at such a module"
+                    )
+        elif key != "sequence":
             for name in names:
                 module = model.get_submodule(name)
                 if not isinstance(module, _SPLITTABLE):
