@@ -6,10 +6,10 @@ stages, and which schedules need several per rank: :mod:`kiln.parallel.pipelinin
 A model whose weights are read after the strategy's steps (``HuggingFaceModel.from_pretrained``,
 built on the meta device) is traced with its parameters as fake tensors (no storage, as in a dry
 run) and each rank reads its own stages' weights after the cut and their sharding steps
-(``load_stage_weights``): no pipeline rank ever holds the whole model. A
-batch is cut into microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B, or the zero-bubble
-interleaved, ZBV and DualPipeV) runs the forward, the loss on the last stage and the backward of
-every microbatch in one ``schedule.step``.
+(``load_stage_weights``): no pipeline rank ever holds the whole model. A batch is cut into
+microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B, or the zero-bubble interleaved, ZBV
+and DualPipeV) runs the forward, the loss on the last stage and the backward of every microbatch
+in one ``schedule.step``.
 
 How the Engine's four calls map onto that one step (through :class:`PipelineSteps`' ``loss`` and
 ``backward``, which Pipeline and Hybrid inherit):
