@@ -26,7 +26,14 @@ largest difference 2.7e-15 (losses), 1.8e-15 (weights). A stage given the wrong 
 (``position_ids + 1`` in kiln.models.hf_stages) fails tests/test_hf_stages.py at once.
 
 Margin, measured (torch 2.13, CPU, gloo): the largest difference of any case and variant is 4.4e-15
-in losses and 2.2e-16 in gradients, weights and norms; TOL = 1e-9.
+in losses and 2.2e-16 in gradients, weights and norms under SGD; under AdamW (``llama_tp2_adamw``,
+which divides by the second moment) 1.8e-14 in weights and 4.9e-15 in norms; TOL = 1e-9.
+
+Replicated parameters (sequence parallelism's norms, ``Replicate()`` weights applied to sequence
+shards) get partial-sum gradients; test_replicated_gradients_are_summed_once_a_step counts where
+they are summed. Before TensorParallel summed them (kiln.parallel.state.replicated_grads), the
+numbers were right too (DTensor sums a ``Partial`` operand inside each op that meets it) but each
+optimizer op summed them again: AdamW 15 all-reduces of the 5 norms a step, clipping 5 more.
 
 Checked by breaking the code on purpose: the attention's row-wise output made ``Replicate`` (an
 all-reduce where the reduce-scatter should be: ``o_proj``/``wo`` with ``output_layouts=Replicate()``)
