@@ -1,7 +1,7 @@
 """The search's analytic plan against the dry run of the same plan (issue 34 item 1).
 
 For a grid of plans of two model families (transformers' Llama, and Qwen2 with its q/k/v biases and
-grouped-query attention), one plan per code path of the closed form, over FSDP, tensor parallelism with sequence and loss parallelism, a 2-stage
+grouped-query attention, untied and tied), one plan per code path of the closed form, over FSDP, tensor parallelism with sequence and loss parallelism, a 2-stage
 pipeline (with tensor parallelism inside its stages), activation checkpointing on and off, gradient
 accumulation and pipeline microbatches, and a plan without FSDP, the search's per-rank memory
 (parameters, gradients, optimizer state, activations, total against the dry run's peak) and every
@@ -36,10 +36,12 @@ TOLERANCE = 0.10
 
 
 def run(family: str) -> dict:
-    """A tiny run file of ``family`` (amp_bf16 over fp32 parameters, AdamW), for the search's overrides."""
+    """A tiny run file of ``family`` (amp_bf16 over fp32 parameters, AdamW), for the search's overrides;
+    ``qwen2-tied`` is Qwen2 with its embedding and head one weight (``tie_word_embeddings``)."""
+    family, tied = family.removesuffix("-tied"), family.endswith("-tied")
     model = dict(model_type=family, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4 if family == "llama" else 2,
-                 tie_word_embeddings=False)  # fmt: skip
+                 tie_word_embeddings=tied)  # fmt: skip
     return {
         "compute_config": {"dp_shard": -1},
         "micro_batch_size": 1,
@@ -83,6 +85,11 @@ GRID = [
     ("llama", 8, 2, 2, 2, "full", 1, 2),  # tensor parallelism inside checkpointed pipeline stages
     ("llama", 4, 1, 4, 1, "full", 2, 1),  # no FSDP: autocast over fp32 parameters, tp 4, checkpointed
     ("qwen2", 8, 4, 2, 1, "full", 1, 2),  # biases and grouped-query attention, tp, checkpointed, accumulated
+    # tied embeddings (one weight, counted once): sequence parallelism without the vocabulary split
+    # or loss parallelism, FSDP's root of the embedding alone; and a pipeline, whose last stage
+    # holds its own copy of the head (torch's split copies a weight two stages use)
+    ("qwen2-tied", 8, 4, 2, 1, "full", 1, 2),
+    ("qwen2-tied", 8, 4, 1, 2, None, 1, 2),
 ]
 
 
@@ -97,7 +104,7 @@ def _close(estimated: int, measured: int) -> bool:
 )
 def test_the_search_prices_what_the_dry_run_measures(family, world, dp, tp, pp, ac, mbs, m):
     shape = shape_of(family)
-    assert shape.sequence_parallel and not shape.tied
+    assert shape.sequence_parallel and shape.tied == family.endswith("-tied")
     result = search(shape, world, device_class("h100"), budget=None, global_batch=mbs * m * dp, seq_len=SEQ)
     (plan,) = [
         p

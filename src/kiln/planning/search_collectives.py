@@ -49,8 +49,9 @@ def plan_collectives(
     _, gb, cb, rb = precision_bytes(precision)
     m = microbatches
     sp, lp = shape.sequence_parallel_at(tp, pp), shape.loss_parallel_at(tp, pp)
+    split = shape.vocab_split_at(tp, pp)
     layers = math.ceil(shape.num_layers / pp)
-    first, last, _ = stage_params(shape, tp, pp, lp)
+    first, last, _ = stage_params(shape, tp, pp, split)
     stage = max(first, last)
     t = micro_batch_size * seq_len  # tokens of one microbatch
     a = residual_bytes(precision, dp=dp, pp=pp)
@@ -68,14 +69,23 @@ def plan_collectives(
         # residual's dtype) and reduce-scatters the row-wise projections' outputs (compute dtype)
         # after them; the backward runs their transposes (the gathers' on the outputs' gradients),
         # and a checkpointed block's recomputation gathers twice and reduce-scatters once more (it
-        # stops before its last). The head gathers the sequence, and its transpose (the embedding's
-        # shards' gradient) gathers too; with loss parallelism the embedding reduce-scatters its
-        # output and the head its input's gradient. Each call: one microbatch, t x h.
+        # stops before its last). Each call: one microbatch, t x h.
         per_token = t * shape.hidden
         ag_layer = (2 + (2 if checkpointing else 0)) * a + 2 * cb
         rs_layer = (2 + (1 if checkpointing else 0)) * cb + 2 * a
-        ag = (layers * ag_layer + 2 * a) * m * per_token
-        rs = (layers * rs_layer + (2 * a if lp else 0)) * m * per_token
+        if pp == 1:
+            # the head gathers the sequence, and its transpose (the embedding's shards' gradient)
+            # gathers too; with loss parallelism the embedding reduce-scatters its output and the
+            # head its input's gradient
+            ag_extra, rs_extra, logits = 2 * a, (2 * a if lp else 0), 0
+        else:
+            # the last stage (it holds the loss): its input, cut to the rank's sequence shard, gathers
+            # its gradient; the head gathers the sequence and, split over the vocabulary, its input's
+            # gradient reduce-scatters and its logits are gathered whole (t x V, no loss parallelism)
+            ag_extra, rs_extra = cb + a, (a if split else 0)
+            logits = t * shape.vocab * cb if split else 0
+        ag = ((layers * ag_layer + ag_extra) * per_token + logits) * m
+        rs = (layers * rs_layer + rs_extra) * m * per_token
         collectives["all_gather"] = {**collectives.get("all_gather", {}), "tp": ag}
         collectives["reduce_scatter"] = {**collectives.get("reduce_scatter", {}), "tp": rs}
         if dp > 1:

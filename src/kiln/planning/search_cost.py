@@ -46,7 +46,6 @@ def price_plan(
     """Fill ``plan``'s memory, activation moments, collectives, seconds and tokens per second."""
     dp, tp, pp, m = plan.dp_shard, plan.tp, plan.pp, plan.microbatches
     ckpt = plan.activation_checkpointing is not None
-    lp = shape.loss_parallel_at(tp, pp)
     mbs = plan.micro_batch_size
     memory = plan_memory(
         shape,
@@ -82,12 +81,12 @@ def price_plan(
 
     # compute: FLOPs of the stage on this rank's tokens
     layers = math.ceil(shape.num_layers / pp)
-    _, _, layer_tp = stage_params(shape, tp, pp, lp)
+    _, _, layer_tp = stage_params(shape, tp, pp, shape.vocab_split_at(tp, pp))
     q = shape.heads * shape.head_dim
     tokens = global_batch * seq_len // dp
     fwd_per_token = 2 * layers * layer_tp + 4 * layers * seq_len * q // tp
-    # the LM head: whole on each tensor-parallel rank, or its vocabulary shard with loss parallelism
-    fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if lp else 1)
+    # the LM head: whole on each tensor-parallel rank, or its vocabulary shard where it is split
+    fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if shape.vocab_split_at(tp, pp) else 1)
     flops = (3 + (1 if ckpt else 0)) * fwd_per_token * tokens
     compute = flops / (device.bf16_flops * COMPUTE_EFFICIENCY)
     bubble = compute * (pp - 1) / m if pp > 1 else 0.0

@@ -112,7 +112,9 @@ def stage_params(shape: ModelShape, tp: int, pp: int, vocab_split: bool) -> tupl
     """(parameters of the first stage, of the last, of one block) on one tensor-parallel rank."""
     layers = math.ceil(shape.num_layers / pp)
     block = shape.layer_params - shape.layer_split_params + shape.layer_split_params // tp
-    embed, head = shape.embed_params, shape.head_params
+    # a pipeline's last stage holds its own copy of a tied head: torch's split copies a weight two
+    # stages use into each (the first stage keeps one too, unused: not counted here)
+    embed, head = shape.embed_params, (shape.head_params if pp == 1 else shape.vocab * shape.hidden)
     if vocab_split:
         embed, head = embed // tp, head // tp
     norm = shape.hidden
@@ -138,12 +140,13 @@ def plan_memory(
     pb, gb, cb, _ = precision_bytes(precision)
     amp = precision.startswith("amp")
     sp, lp = shape.sequence_parallel_at(tp, pp), shape.loss_parallel_at(tp, pp)
+    split = shape.vocab_split_at(tp, pp)
     fsdp = dp > 1
-    first, last, block = stage_params(shape, tp, pp, lp)
+    first, last, block = stage_params(shape, tp, pp, split)
     stage = max(first, last)
     shard = math.ceil(stage / dp)
     params, grads, optimizer = shard * pb, shard * gb, optimizer_factor * shard * pb
-    if lp and not fsdp:
+    if split and not fsdp:
         # the vocabulary-split embedding's gradient is a slice of the whole vocabulary's (DTensor
         # computes the embedding's backward whole), and the slice keeps that storage
         grads += (shape.embed_params - shape.embed_params // tp) * gb
@@ -172,14 +175,14 @@ def plan_memory(
     kept = t * h * a // Q if checkpointing else full
     rotary = 2 * s * d * a
     mask = b * s * s if checkpointing else 0
-    vocab_rows = T if lp else 1
+    vocab_rows = T if split else 1
     root = (shape.embed_params + shape.head_params) // vocab_rows * cb if fsdp else 0
     gathered_block = block * cb if fsdp else 0
     # FSDP keeps unsharded fp32 gradients between microbatches (of accumulation, or of a pipeline);
     # a vocabulary-split embedding's is the whole vocabulary's (its backward computes it whole)
     accumulated = 0
     if fsdp and m > 1:
-        accumulated = stage * gb + (shape.embed_params - shape.embed_params // T) * gb * lp
+        accumulated = stage * gb + (shape.embed_params - shape.embed_params // T) * gb * split
     common = rotary + mask + accumulated
 
     moments: dict[str, int] = {}

@@ -5,9 +5,11 @@ count too), and which of kiln's parallel layouts its family allows.
 Two rules of the strategies live here, so the memory (:mod:`kiln.planning.search_memory`) and the
 collectives (:mod:`kiln.planning.search_collectives`) of a plan ask one place:
 :meth:`ModelShape.sequence_parallel_at` (what ``Hybrid(tp=N)`` turns on by default: sequence
-parallelism where kiln has the model's plan, not with a pipeline) and
-:meth:`ModelShape.loss_parallel_at` (loss parallelism with it, unless the embeddings are tied: a
-tied embedding and head stay whole on every tensor-parallel rank).
+parallelism where kiln has the model's plan, inside each pipeline stage too),
+:meth:`ModelShape.vocab_split_at` (the embedding and head split over the vocabulary with it, unless
+they are tied: one weight cannot be row-wise and column-wise at once) and
+:meth:`ModelShape.loss_parallel_at` (the loss on the logits' vocabulary shards: with the split,
+not under a pipeline, whose last stage gathers the logits whole).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ModelShape:
     huggingface: bool = False
     deep_pipeline: bool = True  # any number of pipeline stages (a Hugging Face decoder kiln cuts: hf_stages)
     blocks: tuple[str, ...] = ()  # module names of the blocks (pipeline split points)
-    sequence_parallel: bool = False  # kiln has a sequence-parallel plan for it (tp > 1 uses it, without pp)
+    sequence_parallel: bool = False  # kiln has a sequence-parallel plan for it (tp > 1 uses it)
 
     @property
     def layer_split_params(self) -> int:
@@ -55,13 +57,18 @@ class ModelShape:
 
     def sequence_parallel_at(self, tp: int, pp: int) -> bool:
         """Whether a plan of ``tp`` x ``pp`` runs sequence parallelism: with ``tp > 1`` where kiln has
-        the model's plan, not with a pipeline (Hybrid's default)."""
-        return self.sequence_parallel and tp > 1 and pp == 1
+        the model's plan, inside each pipeline stage under ``pp > 1`` (Hybrid's default)."""
+        return self.sequence_parallel and tp > 1
+
+    def vocab_split_at(self, tp: int, pp: int) -> bool:
+        """Whether a plan of ``tp`` x ``pp`` splits the embedding and the head over the vocabulary:
+        with sequence parallelism, unless they are tied (then both stay whole on every rank)."""
+        return self.sequence_parallel_at(tp, pp) and not self.tied
 
     def loss_parallel_at(self, tp: int, pp: int) -> bool:
-        """Whether a plan of ``tp`` x ``pp`` runs loss parallelism (the embedding and head split on the
-        vocabulary): with sequence parallelism, unless the embeddings are tied."""
-        return self.sequence_parallel_at(tp, pp) and not self.tied
+        """Whether a plan of ``tp`` x ``pp`` runs loss parallelism (the loss on the logits' vocabulary
+        shards): with the vocabulary split, not under a pipeline (its last stage gathers the logits)."""
+        return self.vocab_split_at(tp, pp) and pp == 1
 
     @classmethod
     def from_model(cls, model: nn.Module) -> ModelShape:
