@@ -57,12 +57,12 @@ def _own(value: Any) -> Any:
 
 def _rebound(program: Any, module: nn.Module) -> Any:
     """``program`` over ``module``'s own tensors, by the names the program lifted them under."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     tensors.update(module.named_buffers(remove_duplicate=False))
     state = {name: tensors[name] for name in program.state_dict}
     constants = {name: tensors[name] if name in tensors else _own(value) for name, value in program.constants.items()}
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     # The graph's metadata holds the first rank's fake tensors, which the constructor checks against
     # the fake mode active (this rank's): checked with none active, it takes theirs.
