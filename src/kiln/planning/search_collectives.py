@@ -9,10 +9,13 @@ bytes, ``a`` the residual stream's (``cb`` under FSDP, fp32 under amp without it
 * FSDP gathers a stage's parameters in ``cb`` twice per microbatch (once a step in a pipeline,
   whose stages keep them gathered) and reduce-scatters its gradients once per step.
 * Tensor parallelism with sequence parallelism (kiln's default where it has the model's plan:
-  Llama, Mistral, Qwen2 without a pipeline; loss parallelism too unless the embeddings are tied)
-  gathers and reduce-scatters ``t x h`` per call: each block gathers ``2 a + 2 cb`` (``4 a + 2 cb``
-  checkpointed) and reduce-scatters ``2 cb + 2 a`` (``3 cb + 2 a``) per microbatch, the head and
-  the embedding's backward gather ``2 a`` more, loss parallelism reduce-scatters ``2 a`` more; under
+  Llama, Mistral, Qwen2, inside pipeline stages too; loss parallelism too without a pipeline unless
+  the embeddings are tied) gathers and reduce-scatters ``t x h`` per call: each block gathers ``2 a +
+  2 cb`` (``4 a + 2 cb`` checkpointed) and reduce-scatters ``2 cb + 2 a`` (``3 cb + 2 a``) per
+  microbatch, the head and the embedding's backward gather ``2 a`` more, loss parallelism
+  reduce-scatters ``2 a`` more. A pipeline's last stage instead gathers ``cb + a`` more (its input's
+  gradient, the head's input), the whole logits ``t x V x cb`` and, with the head split over the
+  vocabulary, reduce-scatters ``a`` (the head's input gradient). Under
   FSDP the norms' weight gradients are all-reduced once a step, ``(2 x layers + 1) x h`` in ``cb``
   (fp32 when accumulated).
 * Without it tensor parallelism all-reduces ``t x h`` 7 times per block and microbatch (8

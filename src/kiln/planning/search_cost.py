@@ -5,7 +5,7 @@ collectives (:mod:`kiln.planning.search_collectives`) and the seconds of one opt
 
 * compute: the stage's FLOPs (``(6 + 2 if checkpointed) x`` parameters per token, the attention's
   ``12 x layers x seq x heads x head_dim``, the LM head on each tensor-parallel rank, its vocabulary
-  shard under loss parallelism) over ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.cost.devices`;
+  shard where it is split) over ``bf16_flops x COMPUTE_EFFICIENCY`` of :mod:`kiln.cost.devices`;
 * communication: each collective's bytes over the bandwidth of the link its mesh dimension crosses
   (inside a node when the dimension's group fits in ``devices_per_node``, else the network), as a
   ring moves them: all-gather, reduce-scatter and broadcast ``(n-1)/n x bytes``, all-reduce twice

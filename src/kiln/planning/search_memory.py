@@ -5,7 +5,7 @@ element of kiln's precisions (:func:`precision_bytes`, :func:`residual_bytes`) l
 
 Per rank, in bytes (``pb``/``gb``: parameter and reduced-gradient bytes per element; ``S``: the
 stage's parameters, its blocks' attention and MLP Linears divided by ``tp``, the embedding and LM
-head too under loss parallelism): parameters ``S/dp x pb``, gradients ``S/dp x gb``, optimizer
+head too where they are split over the vocabulary): parameters ``S/dp x pb``, gradients ``S/dp x gb``, optimizer
 state ``k x S/dp x pb`` (AdamW: k = 2).
 
 Activations are the most bytes alive at once in a step's forwards and backwards, less the
@@ -18,8 +18,8 @@ key/value width), ``f`` the MLP's intermediate size, ``V`` the vocabulary, ``T``
 tensor-parallel size, ``Q`` the sequence shards (``T`` under sequence parallelism, else 1), ``c``
 the compute dtype's bytes (2), ``a`` the residual stream's (``c`` under FSDP, whose bf16 parameters
 make the embedding's output bf16; 4 under amp without FSDP and in a pipeline stage, traced in
-fp32), ``P`` one block's parameters, ``R`` the embedding's and head's (over ``T`` under loss
-parallelism):
+fp32), ``P`` one block's parameters, ``R`` the embedding's and head's (over ``T`` where
+they are split over the vocabulary: sequence parallelism, untied):
 
 * a block, not checkpointed, saves ``2t((4 + a)h/Q + 4/Q)`` for its two norms (the fp32 input or
   its copy, the normalised output, 1/rms, on the sequence shard), ``x t h c`` for the projections'
