@@ -22,7 +22,11 @@ replay), the restarted group's own fresh scheduler state kept (the learning-rate
 check at that step; the weights after the heal, in both drills). That last break had gone unseen
 while the groups used StepLR: it multiplies the optimizer's current lr, which the optimizer's
 restored state already holds, so a fresh StepLR went on from the right value (the drill passed
-with it, twice); the first heal committed in each run with it.
+with it, twice); the first heal committed in each run with it. The heal that did not commit in an
+earlier round of that break is what a heal slower than the collective timeout gives (a 2.5 s sleep
+put in the heal: group 0's allreduce timed out after 2 s while group 1 loaded the state, so the
+healed group's first step did not commit, and the next one did): the healing group loads the state
+between the quorum and the allreduce, while the live group already waits in the allreduce.
 """
 
 from __future__ import annotations
