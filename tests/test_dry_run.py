@@ -392,7 +392,9 @@ def test_plain_tensor_parallelism_all_reduces_the_norms_gradients_once_a_step():
     # each AdamW op that read them (lerp_ once, addcmul_ twice: 15 all-reduces of 512 B), within
     # DTensor's dispatch, where the counter's mode is off: the dry run counted no all-reduce at all.
     # (Loss parallelism's per-token all-reduces run there too and are still not counted.)
-    report = dry_run(load_trainer_args(config({"strategy": "tp"}), world_size=2), 2)
-    (rank,) = report.ranks
-    assert rank.collectives["all_reduce"] == {"tp": (2 * LAYERS + 1) * HIDDEN * 4}
-    assert rank.calls["all_reduce"] == {"tp": 1}
+    # Hybrid with tp and no FSDP (a run file's `tp: 2`) sums them once too, before the optimizer step.
+    for compute in ({"strategy": "tp"}, {"tp": 2, "dp_shard": 1}):
+        report = dry_run(load_trainer_args(config(compute), world_size=2), 2)
+        (rank,) = report.ranks
+        assert rank.collectives["all_reduce"] == {"tp": (2 * LAYERS + 1) * HIDDEN * 4}, compute
+        assert rank.calls["all_reduce"] == {"tp": 1}, compute

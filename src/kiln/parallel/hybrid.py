@@ -36,6 +36,7 @@ from kiln.parallel.pipelining.tp_trace import traced_as_tp_rank
 from kiln.parallel.pipelining.traced_casts import drop_cast_assertions
 from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.state.mesh import ParallelDims, dp_coordinate
+from kiln.parallel.state.replicated_grads import reduce_partial_grads
 from kiln.parallel.transforms.expert_parallel import check_expert_parallel
 from kiln.parallel.transforms.parallelize import STEPS, ParallelizePlan, WrapSpec, find_blocks, parallelize
 from kiln.parallel.transforms.sequence_parallel import sequence_parallel_plan
@@ -249,8 +250,19 @@ class Hybrid(PipelineSteps):
             model.set_requires_gradient_sync(enabled)
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        reduce_partial_grads(model.parameters())  # see optimizer_step
         group = self.pipeline.group if self.pipeline is not None else None
         return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
+
+    def optimizer_step(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+    ) -> torch.Tensor | None:
+        # Without FSDP (tp with dp_shard 1, or a pipeline's stages), sequence parallelism's replicated
+        # norms end the backward with partial-sum gradients: summed here once a step (after every
+        # accumulated backward, before clipping and the optimizer), where DTensor would sum them again
+        # inside every optimizer op that reads them (AdamW: 3 a norm). Under FSDP nothing is partial.
+        reduce_partial_grads(model.parameters())
+        return super().optimizer_step(model, optimizer, scaler)
 
     def describe(self) -> dict[str, Any]:
         dims = getattr(self, "resolved_dims", self.dims)
