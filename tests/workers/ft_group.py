@@ -147,7 +147,7 @@ trainer = kiln.Trainer(
         "lighthouse": lighthouse,
         "replica_group": group,
         "num_replica_groups": GROUPS,
-        "timeout": 2,
+        "timeout": 4,  # tests/test_fault_tolerance.py TIMEOUT: a heal under load must load within it
         "quorum_timeout": 30,
         "connect_timeout": 10,
         "hostname": "127.0.0.1",
