@@ -15,9 +15,9 @@ bytes, ``a`` the residual stream's (``cb`` under FSDP, fp32 under amp without it
   microbatch, the head and the embedding's backward gather ``2 a`` more, loss parallelism
   reduce-scatters ``2 a`` more. A pipeline's last stage instead gathers ``cb + a`` more (its input's
   gradient, the head's input), the whole logits ``t x V x cb`` and, with the head split over the
-  vocabulary, reduce-scatters ``a`` (the head's input gradient). Under
-  FSDP the norms' weight gradients are all-reduced once a step, ``(2 x layers + 1) x h`` in ``cb``
-  (fp32 when accumulated).
+  vocabulary, reduce-scatters ``a`` (the head's input gradient). The norms' weight gradients are
+  all-reduced once a step, ``(2 x layers + 1) x h``: under FSDP in ``cb`` (fp32 when accumulated),
+  without it in fp32 before clipping.
 * Without it tensor parallelism all-reduces ``t x h`` 7 times per block and microbatch (8
   checkpointed): 2 forward in ``cb`` (3 checkpointed), 5 backward in ``cb``, or fp32 inside a
   pipeline stage (traced in fp32).
@@ -91,11 +91,11 @@ def plan_collectives(
         rs = (layers * rs_layer + rs_extra) * m * per_token
         collectives["all_gather"] = {**collectives.get("all_gather", {}), "tp": ag}
         collectives["reduce_scatter"] = {**collectives.get("reduce_scatter", {}), "tp": rs}
-        if dp > 1:
-            # the sequence-parallel norms' weight gradients, partial sums over tp, all-reduced once
-            # a step inside FSDP's backward (fp32 when accumulated over microbatches)
-            ar = (2 * layers + 1) * shape.hidden * (cb if m == 1 else gb)
-            collectives["all_reduce"] = {"tp": ar}
+        # the sequence-parallel norms' weight gradients, partial sums over tp, all-reduced once a
+        # step: inside FSDP's backward (fp32 when accumulated over microbatches), or without FSDP
+        # before clipping and the optimizer (kiln.parallel.state.replicated_grads), in fp32
+        ar = (2 * layers + 1) * shape.hidden * (cb if dp > 1 and m == 1 else gb)
+        collectives["all_reduce"] = {"tp": ar}
     elif tp > 1:
         # each block all-reduces its attention's and its MLP's output in the forward (and the first
         # again in a checkpointed block's recomputation) and q, k, v, gate and up their input's
