@@ -14,8 +14,9 @@ the whole state (parameters, persistent and non-persistent buffers) and compares
 * ``single``, ``ddp``, ``zero3``: kiln's strategy of that name;
 * ``tp``: ``TensorParallel()``, ``hybrid``: ``Hybrid(dp_shard=2, tp=2)`` (4 ranks); both with
   kiln's default sequence and loss parallel plans for the Llama family (checked: the norms are
-  DTensors on the ``tp`` mesh, and an untied LM head is split over the vocabulary there), and for
-  Mixtral, whose fused experts' styles kiln does not translate, a plan of its attention projections;
+  DTensors on the ``tp`` mesh, and an untied LM head is split over the vocabulary there), and
+  Mixtral's own plan (its fused experts split by kiln's ``fused_experts`` style: checked, the
+  experts' ``gate_up_proj`` is a DTensor on the ``tp`` mesh);
 * ``ep``: ``Hybrid(dp_shard=2, ep=2)``, which a transformers Mixtral must refuse in one line before
   any collective (kiln's expert parallelism splits kiln.models.MoE layers; transformers' experts
   are none): prints ``REFUSED``;
@@ -46,13 +47,7 @@ MODELS = ("llama", "qwen2", "mixtral", "llama_bf16")
 EXAMPLE = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
 
 
-def mixtral_plan() -> dict[str, str]:
-    attention = "model.model.layers.*.self_attn"  # kiln does not translate the packed experts' styles
-    return {f"{attention}.{p}_proj": "colwise" for p in "qkv"} | {f"{attention}.o_proj": "rowwise"}
-
-
 def strategy(name: str, model: HuggingFaceModel):
-    mixtral = model.model.config.model_type == "mixtral"
     if name == "pp":  # two stages: the first half of the layers and the rest
         layers = model.model.config.num_hidden_layers
         return kiln.parallel.Pipeline([f"model.model.layers.{layers // 2}"], example_input=EXAMPLE, microbatches=2)
@@ -63,9 +58,9 @@ def strategy(name: str, model: HuggingFaceModel):
             pp=2, **inner, split_points=[f"model.model.layers.{layers // 2}"], example_input=EXAMPLE, microbatches=2
         )
     if name == "tp":
-        return kiln.parallel.TensorParallel(plan=mixtral_plan() if mixtral else None)
+        return kiln.parallel.TensorParallel()
     if name == "hybrid":
-        return kiln.parallel.Hybrid(dp_shard=2, tp=2, tp_plan=mixtral_plan() if mixtral else None)
+        return kiln.parallel.Hybrid(dp_shard=2, tp=2)
     if name == "ep":
         return kiln.parallel.Hybrid(dp_shard=2, ep=2)
     return name
@@ -100,9 +95,10 @@ def on_tp(tensor: torch.Tensor, shard: int | None) -> bool:
 
 
 def check_sequence_parallel(engine: kiln.Engine, model: str) -> None:
-    """The Llama family ran kiln's default sequence (and, untied, loss) parallel plan."""
+    """The Llama family ran kiln's default sequence (and, untied, loss) parallel plan; Mixtral its own."""
     hf = engine.strategy.unwrap(engine.model).model
-    if model == "mixtral":
+    if model == "mixtral":  # its own plan: the fused experts split over tp (gate and up alike)
+        assert on_tp(hf.model.layers[0].mlp.experts.gate_up_proj, None), "mixtral: experts not split"
         return
     assert on_tp(hf.model.layers[0].input_layernorm.weight, None), f"{model}: no sequence parallelism"
     tied = bool(hf.config.tie_word_embeddings)

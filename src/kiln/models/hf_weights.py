@@ -321,17 +321,47 @@ def _fused_pieces(
 
 
 # -- reading the pieces into each rank's shards -----------------------------------------------------
-def _local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """(the local tensor this rank writes, its shape, its offset in the whole tensor)."""
-    from torch.distributed.tensor import DTensor
+def _local_boxes(tensor: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    """Each (part of the local tensor this rank writes, its shape, its offset in the whole tensor):
+    one box, or ``split_factor`` boxes along a ``_StridedShard`` dimension (fused experts' gate and
+    up rows: kiln.parallel.transforms.fused_experts), whose local tensor is those boxes end to end."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(tensor, DTensor):
+        return [(tensor, tuple(tensor.shape), (0,) * tensor.dim())]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-        local = tensor.to_local()
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return local, tuple(shape), tuple(offset)
-    return tensor, tuple(tensor.shape), (0,) * tensor.dim()
+    mesh, placements = tensor.device_mesh, tensor.placements
+    # a _StridedShard alone on its dimension (fused experts' packed rows); FSDP's _StridedShard over
+    # a dimension tensor parallelism shards too is one contiguous box, which torch computes
+    alone = [
+        (i, p)
+        for i, p in enumerate(placements)
+        if isinstance(p, _StridedShard) and sum(getattr(q, "dim", None) == p.dim for q in placements) == 1
+    ]
+    strided = alone
+    plain = [Replicate() if any(p is q for _, q in alone) else p for p in placements]
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, plain)
+    boxes = [(tensor.to_local(), tuple(shape), tuple(offset))]
+    for mesh_dim, placement in strided:
+        dim, factor, ranks = placement.dim, placement.split_factor, mesh.size(mesh_dim)
+        rank = mesh.get_local_rank(mesh_dim)
+        split = []
+        for local, box_shape, box_offset in boxes:
+            whole = box_shape[dim]
+            piece = whole // (factor * ranks)  # fused_experts refuses sizes that do not divide
+            for j in range(factor):
+                where = box_offset[dim] + j * (whole // factor) + rank * piece
+                split.append(
+                    (
+                        local.narrow(dim, j * piece, piece),
+                        box_shape[:dim] + (piece,) + box_shape[dim + 1 :],
+                        box_offset[:dim] + (where,) + box_offset[dim + 1 :],
+                    )
+                )
+        boxes = split
+    return boxes
 
 
 def _read_into(
@@ -410,8 +440,8 @@ class _Checkpoint:
         found = self.source(names)
         if found is None:
             return False
-        local, shape, offset = _local_box(tensor)
-        _read_into(local, shape, offset, self.layout[found], self.files)
+        for local, shape, offset in _local_boxes(tensor):
+            _read_into(local, shape, offset, self.layout[found], self.files)
         tensor._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' own mark: skip in initialize_weights
         return True
 
