@@ -52,7 +52,9 @@ pytest.importorskip("torchft")
 DIE_AT = 4
 SEED = 0  # the run's seed (tests/workers/ft_group.py: a restarted group gets it with the state it heals from)
 RESUMED = 2  # steps a group resumed from the checkpoint trains
-TIMEOUT, HEARTBEAT = 4.0, 1.0  # the groups' collective timeout (a heal must load within it: 2 s was measured too tight under load); the Lighthouse's heartbeat timeout
+# the groups' collective timeout (a heal must load within it: 2 s was measured too tight under
+# load); the Lighthouse's heartbeat timeout
+TIMEOUT, HEARTBEAT = 4.0, 1.0
 SLACK = 6.0  # seconds a loaded machine may add to a stall (torchft's default timeouts are 60 s)
 DEADLINE = 120.0  # seconds any one phase of the drill may take before the test fails with the logs
 
