@@ -161,9 +161,32 @@ def test_sequence_and_loss_parallel_hold_and_move_the_closed_form(world):
     assert moved <= 2 * 8 * LAYERS * whole
 
 
+PIPELINE = {"pp": 2, "dp_shard": -1, "strategy_options": {"split_points": ["model.model.layers.1"]}}
+
+
+@functools.cache
+def pipeline_report() -> tuple[object, int]:
+    """The dry run of a 2-stage pipeline at 16 ranks (fp32) and the number of torch.export traces
+    it made (two tests read it: one run)."""
+    import torch.export
+
+    traced = []
+    export = torch.export.export
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return export(*args, **kwargs)
+
+    torch.export.export = counting
+    try:
+        report = dry_run(load_trainer_args(config(PIPELINE, precision="fp32"), world_size=16), 16)
+    finally:
+        torch.export.export = export
+    return report, len(traced)
+
+
 def test_a_pipeline_reports_each_stage_and_its_sends():
-    compute = {"pp": 2, "dp_shard": -1, "strategy_options": {"split_points": ["model.model.layers.1"]}}
-    report = dry_run(load_trainer_args(config(compute, precision="fp32"), world_size=16), 16)
+    report, _ = pipeline_report()
     assert [(r.rank, r.coordinates) for r in report.ranks] == [
         (0, {"pp": 0, "dp_shard": 0}),
         (8, {"pp": 1, "dp_shard": 0}),
@@ -186,20 +209,12 @@ def test_a_pipeline_reports_each_stage_and_its_sends():
         assert rank.calls["all_gather"]["dp_shard"] == rank.calls["reduce_scatter"]["dp_shard"] == 2
 
 
-def test_the_ranks_of_a_pipeline_share_one_trace_and_measure_what_their_own_would(monkeypatch):
+def test_the_ranks_of_a_pipeline_share_one_trace_and_measure_what_their_own_would():
     # kiln.planning.shared_trace: the first rank's torch.export program, over each later rank's own
     # tensors. Rank 8 measured alone (its own trace) holds and moves what it did on the shared one.
-    import torch.export
-
-    traced = []
-    export = torch.export.export
-    monkeypatch.setattr(torch.export, "export", lambda *a, **k: traced.append(1) or export(*a, **k))
-    compute = {"pp": 2, "dp_shard": -1, "strategy_options": {"split_points": ["model.model.layers.1"]}}
-    args = load_trainer_args(config(compute, precision="amp_bf16"), world_size=16)
-    shared = dry_run(args, 16)
-    assert [r.rank for r in shared.ranks] == [0, 8] and len(traced) == 1
-    alone = dry_run(args, 16, ranks=[8])
-    assert len(traced) == 2
+    shared, traces = pipeline_report()
+    assert [r.rank for r in shared.ranks] == [0, 8] and traces == 1
+    alone = dry_run(load_trainer_args(config(PIPELINE, precision="fp32"), world_size=16), 16, ranks=[8])
     assert alone.ranks[0] == shared.ranks[1]
 
 
