@@ -335,13 +335,12 @@ def _local_boxes(tensor: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ..
     mesh, placements = tensor.device_mesh, tensor.placements
     # a _StridedShard alone on its dimension (fused experts' packed rows); FSDP's _StridedShard over
     # a dimension tensor parallelism shards too is one contiguous box, which torch computes
-    alone = [
+    strided = [
         (i, p)
         for i, p in enumerate(placements)
         if isinstance(p, _StridedShard) and sum(getattr(q, "dim", None) == p.dim for q in placements) == 1
     ]
-    strided = alone
-    plain = [Replicate() if any(p is q for _, q in alone) else p for p in placements]
+    plain = [Replicate() if any(p is q for _, q in strided) else p for p in placements]
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, plain)
     boxes = [(tensor.to_local(), tuple(shape), tuple(offset))]
     for mesh_dim, placement in strided:

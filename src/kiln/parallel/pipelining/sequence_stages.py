@@ -37,8 +37,8 @@ __all__ = ["GatherSequence", "sequence_boundaries", "stage_styles"]
 
 
 def GatherSequence(*, use_local_output: bool = False) -> Any:  # noqa: N802  # a style, named as torch's are
-    """A ``ParallelStyle`` that gathers a block's sequence-sharded input (a ``Shard(1)`` DTensor, or a
-    plain ``hidden_states`` keyword taken as this rank's shard) to the whole sequence (``Replicate()``) before its forward, as a DTensor
+    """A ``ParallelStyle`` that gathers a block's sequence-sharded input (the ``Shard(1)`` DTensor the
+    norm before it leaves) to the whole sequence (``Replicate()``) before its forward, as a DTensor
     (``use_local_output=False``) or a local tensor. (Its class is made on first use: the module
     imports no tensor-parallel code until a plan needs it.)"""
     return _gather_sequence_class()(use_local_output=use_local_output)
@@ -55,23 +55,19 @@ def _gather_sequence_class() -> type:
             self.use_local_output = use_local_output
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-            def gather(value: torch.Tensor) -> torch.Tensor:
-                if not isinstance(value, DTensor):
-                    value = DTensor.from_local(value, device_mesh, (Shard(1),), run_check=False)
-                whole = value.redistribute(placements=(Replicate(),))
+            def gather(value: DTensor) -> torch.Tensor:
+                whole = value.redistribute(device_mesh, (Replicate(),))
                 return whole.to_local() if self.use_local_output else whole
 
             def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 # the sequence-sharded DTensor among the inputs (a traced call passes the hidden
-                # states, the rotary pair and the mask in the traced order), else the keyword input
+                # states, the rotary pair and the mask in the traced order), or among its keywords
                 for i, value in enumerate(args):
                     if isinstance(value, DTensor) and value.placements == (Shard(1),):
                         return (*args[:i], gather(value), *args[i + 1 :]), kwargs
                 for key, value in kwargs.items():
                     if isinstance(value, DTensor) and value.placements == (Shard(1),):
                         return args, {**kwargs, key: gather(value)}
-                if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                    return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
                 return args, kwargs
 
             module.register_forward_pre_hook(hook, with_kwargs=True)
