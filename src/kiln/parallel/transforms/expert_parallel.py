@@ -1,4 +1,10 @@
-"""Expert parallelism: the experts of each :class:`kiln.models.MoE` layer split over the ``ep`` ranks.
+"""Expert parallelism: the experts of each MoE layer split over the ``ep`` ranks.
+
+Two kinds of layers are split: kiln's own :class:`kiln.models.MoE` and transformers' sparse MoE
+blocks with fused experts (Mixtral, Qwen2-MoE, Qwen3-MoE: one module holding ``gate_up_proj`` and
+``down_proj`` for all experts; :mod:`kiln.parallel.transforms.hf_expert_parallel` knows their
+layout and forward, and routes with the block's own router). Both go through the same dispatch
+(:class:`ExpertParallel`), the same sharding on dim 0 and the same gradient scale.
 
 Each rank of an expert-parallel group holds ``num_experts / ep`` consecutive experts: the layer's
 grouped weights become DTensors sharded on dim 0 over the ``ep`` mesh, so a checkpoint (DCP) holds
@@ -30,14 +36,16 @@ float64 or float16: the scale in the backward leaves FSDP's own averaging alone.
 
 Tensor parallelism splits the attention and dense layers within each ``tp`` group; the experts
 are not split by ``tp``: every rank of a ``tp`` group holds the same tokens and runs the same
-experts (an ``ep`` group is made of ranks with the same ``tp`` coordinate).
+experts (an ``ep`` group is made of ranks with the same ``tp`` coordinate). A transformers model's
+own tensor-parallel plan splits its fused experts over ``tp`` (the ``fused_experts`` style): with
+``ep`` too, that is refused; a ``tp_plan`` without the experts leaves them to ``ep``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -92,8 +100,11 @@ class ExpertParallel:
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.num_local = num_experts, num_experts // self.size
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-        """``experts``' outputs for ``rows`` (grouped by expert, ``counts`` per expert), in ``rows``' order."""
+    def __call__(
+        self, rows: torch.Tensor, counts: torch.Tensor, experts: Callable[[torch.Tensor, list[int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """``experts``' outputs for ``rows`` (grouped by expert, ``counts`` per expert), in ``rows``' order;
+        ``experts(local_rows, local_counts)`` runs this rank's experts on the rows they received."""
         local_rows, local_counts, route = self.dispatch(rows, counts)
         return self.combine(experts(local_rows, local_counts), route)
 
@@ -137,6 +148,12 @@ def _moe_layers(model: nn.Module) -> Iterator[tuple[str, MoE]]:
     return moe_layers(model)
 
 
+def _fused_experts(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from kiln.parallel.transforms.hf_expert_parallel import fused_experts
+
+    return fused_experts(model)
+
+
 def _model_name(model: nn.Module) -> str:
     """The class the user built: the model a kiln wrapper holds (``HuggingFaceModel``'s
     ``MixtralForCausalLM``), else the model's own."""
@@ -151,8 +168,11 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
     and the fix. Runs no collective."""
     if ep <= 1:
         return
+    from kiln.parallel.transforms.hf_expert_parallel import fused_experts_refusal
+
     layers = list(_moe_layers(model))
-    if not layers:
+    fused = list(_fused_experts(model))
+    if not layers and not fused:
         others = sorted(
             {type(m).__name__ for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)}
         )
@@ -161,8 +181,8 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
         )
         raise ValueError(
             f"ep={ep} splits the experts of kiln.models.MoE layers over ranks, and {_model_name(model)} has "
-            f"none{theirs}; build the model's feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), "
-            "or set ep=1"
+            f"none, nor transformers' fused experts (gate_up_proj and down_proj, as Mixtral's){theirs}; build the "
+            "model's feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), or set ep=1"
         )
     for name, layer in layers:
         if layer.num_experts % ep:
@@ -171,24 +191,50 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
                 f"ep={ep} does not divide num_experts={layer.num_experts} of MoE layer {name!r} (each rank holds "
                 f"num_experts / ep whole experts); use an ep in {fits}"
             )
+    for name, experts in fused:
+        refusal = fused_experts_refusal(name, experts, ep)
+        if refusal:
+            raise ValueError(refusal)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> nn.Module:
-    """Shard every MoE layer's experts on dim 0 over ``ep_mesh`` and install the all-to-all dispatch.
-
-    Every rank must hold the same full weights (the same seed), as for FSDP and tensor
-    parallelism: each keeps its own slice, nothing is sent."""
+def _shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
+    """Each of ``experts``' own parameters as a DTensor sharded on dim 0 (the experts) over
+    ``ep_mesh``: this rank keeps its slice (on the meta device of a model whose weights are
+    read later, a meta slice), nothing is sent."""
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for name, weight in list(experts.named_parameters(recurse=False)):
+        local = weight.detach().chunk(size, dim=0)[rank].clone()
+        sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: Any) -> nn.Module:
+    """Shard every MoE layer's experts on dim 0 over ``ep_mesh`` and install the all-to-all dispatch
+    (kiln's MoE layers and transformers' fused experts alike).
+
+    Every rank must hold the same full weights (the same seed), as for FSDP and tensor
+    parallelism: each keeps its own slice, nothing is sent."""
+    from torch.distributed.tensor import DTensor
+
+    from kiln.parallel.transforms.hf_expert_parallel import parallelize_fused_experts
+
+    size, group = ep_mesh.size(), ep_mesh.get_group()
     for _, layer in _moe_layers(model):
-        experts = layer.experts
-        for name, weight in list(experts.named_parameters(recurse=False)):
-            local = weight.detach().chunk(size, dim=0)[rank].clone()
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            setattr(experts, name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        experts.grad_scale = 1.0 / size  # see the module's docstring
-        layer.dispatcher = ExpertParallel(ep_mesh.get_group(), layer.num_experts)
+        _shard_experts(layer.experts, ep_mesh)
+        layer.experts.grad_scale = 1.0 / size  # see the module's docstring
+        layer.dispatcher = ExpertParallel(group, layer.num_experts)
+    for name, experts in _fused_experts(model):
+        if any(isinstance(p, DTensor) for p in experts.parameters(recurse=False)):
+            # the model's own tensor-parallel plan split them (kiln's fused_experts style) first
+            raise ValueError(
+                f"ep={size} splits the experts {type(experts).__name__} {name!r} over ranks, and tensor parallelism "
+                "split them already (the model's own tp plan, style 'fused_experts'); set ep=1 or tp=1, or pass a "
+                "tp_plan without the experts"
+            )
+        _shard_experts(experts, ep_mesh)
+        parallelize_fused_experts(experts, ExpertParallel(group, int(cast(Any, experts).num_experts)), 1.0 / size)
     return model
 
 
@@ -209,3 +255,5 @@ def fully_shard_experts(
     options = fsdp_options(mesh, precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     for _, layer in _moe_layers(model):
         fully_shard(layer.experts, **options)
+    for _, experts in _fused_experts(model):
+        fully_shard(experts, **options)
