@@ -7,8 +7,9 @@ Mixtral (per-expert files fused into one weight on load) and a bf16 Llama (the d
 config) are compared under single, ddp, zero3, tp (sequence and loss parallel, kiln's default for
 the Llama family), fsdp x tp (``Hybrid(dp_shard=2, tp=2)``) and a 2-stage pipeline, alone and with
 FSDP in each stage (tests/workers/hf_load_worker.py), where each rank must have read only its own
-stage's weights from the files (its shards of them), counted to the byte; expert parallelism
-refuses the transformers Mixtral in one line.
+stage's weights from the files (its shards of them), counted to the byte; the Mixtral under
+expert parallelism (``Hybrid(dp_shard=2, ep=2)``), where each rank must have read its own experts'
+tensors from the files and no other expert's.
 One launch per world size runs every case of that size (a launch costs more than the loads): the
 2-rank one, which the 2-rank tests read, is a module fixture.
 """
@@ -92,21 +93,16 @@ PIPELINE_MODELS = ("llama", "qwen2")
 
 
 def test_two_ranks(two_ranks: subprocess.CompletedProcess) -> None:
-    """ddp, zero3 and tp; ``Hybrid(dp_shard=2, ep=2)`` refuses the transformers Mixtral before any
-    collective, in one line that names ep, what it splits and the fix."""
+    """ddp, zero3 and tp; the transformers Mixtral under ``Hybrid(dp_shard=2, ep=2)``: its fused
+    experts split over ep (kiln.parallel.transforms.hf_expert_parallel), equal to transformers'
+    from_pretrained to the bit, each rank having read from the files its own two experts' tensors
+    (per-expert w1/w2/w3, fused on load), each whole, and no other expert's."""
     result = two_ranks
     for strategy in ("ddp", "zero3", "tp"):
         _passed(result, strategy, 2)
-    refusals = re.findall(r"^REFUSED mixtral ep (.*)$", result.stdout, re.M)
-    assert (
-        refusals
-        == [
-            "ep=2 splits the experts of kiln.models.MoE layers over ranks, and MixtralForCausalLM has none (its "
-            "mixture-of-experts blocks are MixtralSparseMoeBlock, which kiln does not split); build the model's "
-            "feed-forwards from kiln.models.MoE (kiln.models.MoELlama does), or set ep=1"
-        ]
-        * 2
-    ), result.stdout
+    _passed(result, "ep", 2, ("mixtral",))
+    experts = re.findall(r"^OK mixtral ep \d+ tensors experts (.*)$", result.stdout, re.M)
+    assert sorted(experts) == ["0,1", "2,3"], result.stdout
 
 
 def _stage_reads(result: subprocess.CompletedProcess, name: str, strategy: str) -> list[tuple[int, int]]:
