@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.models.moe import _ScaleGrad  # the one home of the 1/ep scale in the backward
 from kiln.parallel.transforms.fused_experts import is_fused_experts
 
 __all__ = ["fused_experts", "fused_experts_refusal", "parallelize_fused_experts"]
@@ -118,8 +119,6 @@ def _forward(
 
 def _local_experts(module: Any, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """This rank's experts on ``rows``, grouped by local expert (``counts`` rows each)."""
-    from kiln.models.moe import _ScaleGrad  # the one home of the 1/ep scale in the backward
-
     gate_up, down = module.gate_up_proj.to_local(), module.down_proj.to_local()
     if module.grad_scale != 1.0:
         gate_up, down = (_ScaleGrad.apply(w, module.grad_scale) for w in (gate_up, down))
