@@ -9,7 +9,9 @@ gradient norm and every weight after 3 steps within TOL. The Qwen2-MoE adds its 
 gate (replicated, FSDP-sharded as any dense weight) and un-renormalised top-k weights.
 
 Margin, measured (torch 2.13, transformers 5.24, CPU, gloo): losses within 8.9e-16, gradient
-norms 2.2e-16, weights 6.9e-18 (Qwen3-MoE, run by hand with the worker: 1.4e-17). The loss is the
+norms 2.2e-16, weights 6.9e-18 (Qwen3-MoE, run by hand with the worker: 1.4e-17). By hand on 4
+ranks, ``Hybrid(dp_shard=4, ep=2)`` (the experts FSDP-sharded over efsdp 2): Mixtral, Qwen2-MoE and
+Qwen3-MoE within 1.8e-15, 3.3e-16 and 1.4e-17 (not in the suite: a 4-rank launch, ~60 CPU-s). The loss is the
 worker's own float64 cross-entropy: transformers' casts the logits to float32, whose mean over a
 batch and over its two halves differ by ~5e-7.
 

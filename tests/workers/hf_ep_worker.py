@@ -7,8 +7,8 @@ with ``_unscaled``). Rank 0 writes OUT/hf_ep.json: {case: {"losses", "ref_losses
 Each rank computes the one-process reference itself with a plain torch loop on the whole global
 batch (every microbatch's mean loss over ACCUM, then clipping at CLIP, below every step's norm,
 and an SGD step). The case trains the same model (same seed) through kiln's Engine under
-``Hybrid(dp_shard=2, ep=2)`` with ``gradient_accumulation=ACCUM`` and ``clip_grad_norm=CLIP``, each
-rank on its half of every microbatch (the two halves hold as many tokens: the mean of the ranks'
+``Hybrid(dp_shard=2, ep=2)`` (on 4 ranks ``Hybrid(dp_shard=4, ep=2)``: efsdp 2) with
+``gradient_accumulation=ACCUM`` and ``clip_grad_norm=CLIP``, each rank on its share of every microbatch (the two halves hold as many tokens: the mean of the ranks'
 mean losses is the global one). Compared: every microbatch's loss (the mean over ranks), every
 step's global gradient norm before clipping and every weight after STEPS steps (DTensors gathered).
 
@@ -98,9 +98,9 @@ def expert_modules(model):
 def run(kind, unscaled):
     model = make_model(kind)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    engine = kiln.Engine(
-        model, opt, loss_of, strategy=Hybrid(dp_shard=2, ep=2), gradient_accumulation=ACCUM, clip_grad_norm=CLIP
-    )
+    # on 4 ranks (by hand; the suite runs 2): the experts FSDP-sharded over the efsdp = 2 ranks that hold the same ones
+    strategy = Hybrid(dp_shard=dist.get_world_size(), ep=2)
+    engine = kiln.Engine(model, opt, loss_of, strategy=strategy, gradient_accumulation=ACCUM, clip_grad_norm=CLIP)
     experts = expert_modules(model)
     if unscaled:
         for module in experts:
