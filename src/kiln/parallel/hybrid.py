@@ -34,7 +34,6 @@ from kiln.parallel.pipelining.schedules import SCHEDULES, SPLIT_BACKWARD, stage_
 from kiln.parallel.pipelining.sequence_stages import sequence_boundaries, stage_styles
 from kiln.parallel.pipelining.tp_trace import traced_as_tp_rank
 from kiln.parallel.pipelining.traced_casts import drop_cast_assertions
-from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.state.mesh import ParallelDims, dp_coordinate
 from kiln.parallel.state.replicated_grads import reduce_partial_grads
 from kiln.parallel.transforms.expert_parallel import check_expert_parallel
@@ -244,6 +243,7 @@ class Hybrid(PipelineSteps):
 
     def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
         # Under pp > 1 the pipeline schedule sets FSDP's sync for each of its own microbatches.
+        super().set_grad_sync(model, enabled)  # the pipeline's tied weights sum on the step's last backward
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):
@@ -251,8 +251,7 @@ class Hybrid(PipelineSteps):
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         reduce_partial_grads(model.parameters())  # see optimizer_step
-        group = self.pipeline.group if self.pipeline is not None else None
-        return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
+        return super().clip_grad_norm_(model, max_norm, norm_type)  # PipelineSteps': tied weights once
 
     def optimizer_step(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None

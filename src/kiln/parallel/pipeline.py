@@ -22,6 +22,7 @@ from kiln.parallel.pipelining.schedules import (
     SCHEDULES,
     stage_count_error,
 )
+from kiln.parallel.pipelining.tied_weights import pipeline_ranks
 from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.strategy import Strategy
 from kiln.parallel.transforms.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, ParallelizePlan, parallelize
@@ -42,9 +43,11 @@ __all__ = [
 class PipelineSteps(Strategy):
     """The Engine's loss and backward through the pipeline schedule, for a strategy whose ``setup``
     may build a :class:`PipelineRuntime` in ``self.pipeline`` (Pipeline; Hybrid with ``pp > 1``).
-    Without one (``pipeline`` None) they are the plain ones."""
+    Without one (``pipeline`` None) they are the plain ones. Its clipping counts a tied weight's
+    copies on the stages once (:mod:`kiln.parallel.pipelining.tied_weights`)."""
 
     pipeline: PipelineRuntime | None = None
+    _grad_sync = True  # whether the next backward ends an optimizer step (set_grad_sync)
     split_points: list[str]
     schedule: str
     microbatches: int | None
@@ -90,6 +93,9 @@ class PipelineSteps(Strategy):
                     "in place, which the pipeline cannot run"
                 )
 
+        pipelines = None  # one pipeline over the world (Pipeline), else one per pp slice of the mesh (Hybrid)
+        if plan.mesh is not None and "pp" in (plan.mesh.mesh_dim_names or ()):
+            pipelines = pipeline_ranks(plan.mesh)
         self.pipeline = PipelineRuntime(
             model,
             self.split_points,
@@ -103,6 +109,7 @@ class PipelineSteps(Strategy):
             optimizer,
             transform=transform,
             trace_context=trace_context,
+            pipelines=pipelines,
         )
         if self.example_input is not None:
             example = self.example_input
@@ -116,13 +123,25 @@ class PipelineSteps(Strategy):
             return self.pipeline.defer_loss(criterion, *args, **kwargs)
         return criterion(*args, **kwargs)
 
+    def set_grad_sync(self, model: nn.Module, enabled: bool) -> None:
+        self._grad_sync = enabled
+
     def backward(
         self, model: nn.Module, loss: torch.Tensor, scale: float | None, scaler: torch.amp.GradScaler | None
     ) -> None:
         if self.pipeline is None:
             super().backward(model, loss, scale, scaler)
-        else:  # the schedule applies the same scales per microbatch
-            self.pipeline.backward(loss, scale=1.0 if scale is None else scale, scaler=scaler)
+        else:  # the schedule applies the same scales per microbatch; the step's last backward sums
+            # the tied weights' copies (as DDP syncs its gradients on it), before clipping and the step
+            self.pipeline.backward(loss, scale=1.0 if scale is None else scale, scaler=scaler, sync=self._grad_sync)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        pipeline = self.pipeline
+        if pipeline is None:
+            return clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return clip_grad_norm_(
+            model.parameters(), max_norm, norm_type, pp_group=pipeline.group, uncounted=pipeline.tied.uncounted
+        )
 
 
 class Pipeline(PipelineSteps):
@@ -178,10 +197,6 @@ class Pipeline(PipelineSteps):
         plan = self.parallelize_plan(model, ctx, precision)
         world = cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional: None only before init_process_group
         return self.setup_pipeline(model, optimizer, plan, world, ctx.rank, ctx.world_size), optimizer
-
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        group = self.pipeline.group if self.pipeline is not None else None
-        return clip_grad_norm_(model.parameters(), max_norm, norm_type, pp_group=group)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,7 @@ bytes, ``a`` the residual stream's (``cb`` under FSDP, fp32 under amp without it
   checkpointed): 2 forward in ``cb`` (3 checkpointed), 5 backward in ``cb``, or fp32 inside a
   pipeline stage (traced in fp32).
 * A pipeline sends each microbatch's fp32 activations and receives their gradients, and broadcasts
-  the loss.
+  the loss; with tied embeddings its first and last stage all-reduce the tied weight's gradient.
 """
 
 from __future__ import annotations
@@ -110,4 +110,12 @@ def plan_collectives(
         p2p = (2 if pp == 2 else 4) * m * t * shape.hidden * rb
         collectives["p2p"] = {"pp": p2p}
         collectives["broadcast"] = {"pp": 4}
+        if shape.tied:
+            # the first stage's embedding and the last stage's head, copies of one tied weight, sum
+            # their gradients once a step over the pair (kiln.parallel.pipelining.tied_weights): the
+            # rank's shard (FSDP's over dp; the tied weight is never split over tp), in the grads' dtype
+            collectives["all_reduce"] = {
+                **collectives.get("all_reduce", {}),
+                "pp": shape.vocab * shape.hidden * gb // dp,
+            }
     return collectives

@@ -9,7 +9,9 @@ run) and each rank reads its own stages' weights after the cut and their shardin
 (``load_stage_weights``): no pipeline rank ever holds the whole model. A batch is cut into
 microbatches and a schedule (GPipe, 1F1B, interleaved 1F1B, or the zero-bubble interleaved, ZBV
 and DualPipeV) runs the forward, the loss on the last stage and the backward of every microbatch
-in one ``schedule.step``.
+in one ``schedule.step``. A weight several stages read (tied embeddings) is a copy in each; the
+copies' gradients are summed after the step's last backward
+(:mod:`kiln.parallel.pipelining.tied_weights`, Megatron's embedding group).
 
 How the Engine's four calls map onto that one step (through :class:`PipelineSteps`' ``loss`` and
 ``backward``, which Pipeline and Hybrid inherit):
@@ -60,6 +62,7 @@ from kiln.parallel.pipelining.schedules import (
     stage_ids,
     stage_rank,
 )
+from kiln.parallel.pipelining.tied_weights import TiedWeights, keep_read_copies, tied_names
 from kiln.parallel.state.optimizer_params import parameter_names, repoint_optimizer
 
 if TYPE_CHECKING:
@@ -273,7 +276,9 @@ def _put_back(split: nn.Module, originals: Mapping[int, torch.Tensor], model: nn
     (tied embeddings: the first stage's embedding, the last stage's head) into each of them, so
     that no two stages share it; a copy becomes the model's own parameter again where its stage
     holds that one too under its other name (torch leaves both names in the first stage: one
-    tensor, read once), else a meta parameter of its own, read from the files like the others."""
+    tensor, read once; the name the stage never reads is dropped next, by
+    ``tied_weights.keep_read_copies``), else a meta parameter of its own, read from the files like
+    the others."""
     from torch._subclasses.fake_tensor import is_fake
 
     by_name = dict(model.named_parameters(remove_duplicate=False))
@@ -334,6 +339,9 @@ class PipelineRuntime:
         optimizer: pointed at this rank's parameters once the stages exist.
         transform: applied, in place, to each stage module after it is built (the per-stage steps of
             :mod:`kiln.parallel.transforms.parallelize`).
+        pipelines: the global ranks of every pipeline of the world, each in pipeline-rank order (the
+            same list on every rank; the groups that sum a tied weight's copies are made for all of
+            them at once: :mod:`kiln.parallel.pipelining.tied_weights`). None: ``group`` is the only one.
     """
 
     def __init__(
@@ -350,6 +358,7 @@ class PipelineRuntime:
         optimizer: torch.optim.Optimizer | None,
         transform: Callable[[nn.Module], None] | None = None,
         trace_context: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+        pipelines: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.model, self.split_points, self.schedule_name = model, list(split_points), schedule
         self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
@@ -364,6 +373,12 @@ class PipelineRuntime:
         self.last_rank = dist.get_global_rank(group, last)
         self.view = (ModelPipelineModule if isinstance(model, Model) else PipelineModule)(model, self)
         self._names = parameter_names(model)
+        # the weights the model ties (before the cut copies them into each stage that reads them)
+        self._tied_names = tied_names(model)
+        self.pipelines = (
+            [list(r) for r in pipelines] if pipelines is not None else [dist.get_process_group_ranks(group)]
+        )
+        self.tied = TiedWeights()  # this rank's copies of them, once the stages exist
         # The dtype the step's loss is reported in, the same on every rank (the broadcast from the
         # last stage needs it): float32, or float64 for a float64 model, whose loss is not rounded.
         floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
@@ -410,6 +425,8 @@ class PipelineRuntime:
         skip = _skip_connection(pipe)
         if skip is not None:
             raise ValueError(f"Pipeline split_points={self.split_points!r}: {skip}")
+        # every rank sees every stage here: which stages hold a copy of a tied weight is known to all
+        holders = keep_read_copies({i: pipe.get_stage_module(i) for i in range(pipe.num_stages)}, self._tied_names)
         dtypes = [traced_output_dtypes(pipe, i) for i in self.stage_ids]  # before build_stage takes them
         stages = [pipe.build_stage(i, self.device, self.group) for i in self.stage_ids]
         del pipe  # lets the other ranks' stage modules go
@@ -424,6 +441,14 @@ class PipelineRuntime:
             keep_traced_dtypes(stage.submod, stage_dtypes)
         for prefix, module in staged:  # after the stages' own sharding steps: each rank reads its shards
             module.load_stage_weights([stage.submod for stage in stages], self.device, prefix)
+        self.tied = TiedWeights.build(
+            holders,
+            self._tied_names,
+            {i: stage.submod for i, stage in zip(self.stage_ids, stages, strict=True)},
+            lambda stage: stage_rank(self.schedule_name, stage, self.num_stages, self.pp_size),
+            self.pipelines,
+            self.pp_rank,
+        )
         self.view.show_stages([stage.submod for stage in stages])
         self.view.train(self.view.training)
         repoint_optimizer(
@@ -472,11 +497,14 @@ class PipelineRuntime:
         *,
         scale: float = 1.0,
         scaler: torch.amp.GradScaler | None = None,
+        sync: bool = True,
     ) -> torch.Tensor:
         """Forward, loss and backward of one batch; returns the mean microbatch loss on every rank.
 
         ``loss_fn(output_mb, target_mb)`` runs on the last stage; the gradient is that of
-        ``mean(losses) * scale`` (times the scaler's scale when given).
+        ``mean(losses) * scale`` (times the scaler's scale when given). ``sync``: this backward
+        ends the optimizer step (the last of an accumulation): the copies of a tied weight on
+        the stages then sum their gradients (:mod:`kiln.parallel.pipelining.tied_weights`).
         """
         recorded: list[torch.Tensor] = []
         factor = scale / self.microbatches
@@ -501,6 +529,8 @@ class PipelineRuntime:
             self._run(args, kwargs, target, eval_only=False)
         finally:
             self._step_loss = None
+        if sync:
+            self.tied.sum_grads()
         value = torch.stack(recorded).mean() if recorded else torch.zeros((), device=self.device, dtype=self.loss_dtype)
         dist.broadcast(value, src=self.last_rank, group=self.group)  # the loss lives on the last stage
         return value
@@ -531,7 +561,14 @@ class PipelineRuntime:
         self._pending = (loss, args[0], args[1], criterion)
         return loss
 
-    def backward(self, loss: torch.Tensor, *, scale: float = 1.0, scaler: torch.amp.GradScaler | None = None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        scale: float = 1.0,
+        scaler: torch.amp.GradScaler | None = None,
+        sync: bool = True,
+    ) -> None:
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not loss:
             raise RuntimeError(
@@ -539,7 +576,9 @@ class PipelineRuntime:
                 "unchanged: the schedule computes the loss and its backward together"
             )
         _, output, target, criterion = pending
-        loss.copy_(self.train_step(output.args, output.kwargs, target, criterion, scale=scale, scaler=scaler))
+        loss.copy_(
+            self.train_step(output.args, output.kwargs, target, criterion, scale=scale, scaler=scaler, sync=sync)
+        )
 
 
 def full_pipeline_state_dict(model: PipelineModule) -> dict[str, torch.Tensor]:

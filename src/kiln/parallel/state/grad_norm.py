@@ -5,14 +5,16 @@ different meshes (FSDP x TP leaves some parameters on the data-parallel mesh onl
 nothing of pipeline stages on other ranks. Here the gradients are grouped by (mesh, placements);
 each group's norm is a DTensor reduction that ``full_tensor()`` completes over exactly the ranks
 that hold shards of it (a replicated placement is not summed twice); the groups combine locally;
-pipeline stages combine with one all-reduce.
+pipeline stages combine with one all-reduce. A tied weight's copies on a pipeline's stages hold the
+same gradient once they are summed (:mod:`kiln.parallel.pipelining.tied_weights`): the norm counts
+the first stage's copy only (``uncounted`` names the others), as one process counts the one weight.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,15 +26,20 @@ __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 @torch.no_grad()
 def total_grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None,
+    uncounted: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """The norm of all gradients of the model, across shards and pipeline stages, as a plain tensor."""
+    """The norm of all gradients of the model, across shards and pipeline stages, as a plain tensor;
+    the gradients of ``uncounted`` (copies of a tied weight counted elsewhere) are left out."""
     from torch.distributed.tensor import DTensor
 
     norm_type = float(norm_type)
+    skipped = {id(p) for p in uncounted}
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
-        if p.grad is None:
+        if p.grad is None or id(p) in skipped:
             continue
         g = p.grad
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
@@ -97,8 +104,11 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     pp_group: dist.ProcessGroup | None = None,
+    uncounted: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
+    The gradients of ``uncounted`` are scaled too but left out of the norm (a pipeline's copies of
+    a tied weight but the one the norm counts).
 
     Example::
 
@@ -107,7 +117,7 @@ def clip_grad_norm_(
     from torch.distributed.tensor import DTensor
 
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, norm_type, pp_group)
+    total = total_grad_norm(params, norm_type, pp_group, uncounted)
     # Same coefficient as torch.nn.utils.clip_grads_with_norm_; scaling the local shards scales the
     # whole DTensor, and avoids DTensor's refusal of a plain scalar tensor operand.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
