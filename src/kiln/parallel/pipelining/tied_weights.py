@@ -29,7 +29,7 @@ equal ever after.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +158,7 @@ class TiedWeights:
         holders: Sequence[Mapping[int, str]],
         tied: Sequence[tuple[str, ...]],
         stages: Mapping[int, nn.Module],
-        place: Any,
+        place: Callable[[int], int],
         pipelines: Sequence[Sequence[int]],
         pp_rank: int,
     ) -> TiedWeights:
