@@ -1,13 +1,22 @@
 """Planning a run before it runs: ``kiln plan --search`` and the dry run.
 
-======================  ===========================================================================
-:mod:`~kiln.planning.search`      every (dp_shard, tp, pp, checkpointing, microbatches) plan of a transformer on a
-                        world of devices, priced by an analytic cost model and ranked
-:mod:`~kiln.planning.dry_run`     the real build path of a run (config, Trainer builders, Engine, strategy) on a
-                        fake world of any size, with what each rank holds and moves
-:mod:`~kiln.planning.fake_world`  the fake process group and fake tensors the dry run stands on
-:mod:`~kiln.planning.comm_count`  the collective counter the dry run measures with
-======================  ===========================================================================
+=========================================  ========================================================
+:mod:`~kiln.planning.search`               every (dp_shard, tp, pp, checkpointing, microbatches) plan
+                                           of a transformer on a world of devices, ranked
+:mod:`~kiln.planning.search_shape`         what the search knows of a model: its sizes and layouts
+:mod:`~kiln.planning.search_plan`          one searched plan, and the search's result
+:mod:`~kiln.planning.search_memory`        a plan's memory per rank, in closed form
+:mod:`~kiln.planning.search_collectives`   a plan's collective bytes per step, in closed form
+:mod:`~kiln.planning.search_cost`          a plan's price (memory, bytes, seconds) and the order
+:mod:`~kiln.planning.search_text`          the search's sizes read and its table printed
+:mod:`~kiln.planning.confirm`              ``--confirm``: the first plans dry-run before ranking
+:mod:`~kiln.planning.dry_run`              the real build path of a run (config, Trainer builders,
+                                           Engine, strategy) on a fake world of any size, with what
+                                           each rank holds and moves
+:mod:`~kiln.planning.shared_trace`         one trace of a pipelined model, shared by the ranks
+:mod:`~kiln.planning.fake_world`           the fake process group and fake tensors of the dry run
+:mod:`~kiln.planning.comm_count`           the collective counter the dry run measures with
+=========================================  ========================================================
 
 Why here: a dry run builds exactly what ``kiln train`` builds, so it imports the config builders,
 the Trainer's building steps and the Engine. It sits above them, below :mod:`kiln.cli` whose
