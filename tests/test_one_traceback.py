@@ -2,7 +2,7 @@
 
 * One rank of 4 raises: its traceback once, then the one summary line (the other 3 ranks grouped,
   around it; the grouping of 512 ranks is checked without processes at the end).
-* Every rank raises the same error: still one traceback, and "ranks ... failed the same way".
+* Every rank of 3 raises the same error: still one traceback, and "ranks ... failed the same way".
 * A misspelt strategy in Python: one line at the user's line (a launch of 2 ranks). A misspelt
   precision or optimizer name is a refusal of the same kind: checked in this process, from the
   report the worker would write to the one line the launcher would print.
@@ -113,12 +113,14 @@ open(os.path.join(os.path.dirname(__file__), "data.csv"))
 """
 
 
-@pytest.mark.world_size(4)
+@pytest.mark.world_size(3)
 @pytest.mark.timeout(300)
 def test_every_rank_raising_the_same_error_is_one_traceback(tmp_path):
+    # 3 ranks: three copies of one traceback, and two others to group in one clause (a fourth rank
+    # proves nothing more; the grouping of 512 ranks is checked without processes below)
     script = _script(tmp_path, "train.py", EVERY_RANK_RAISES)
     opened = _line(script, "open(")
-    result = kiln_run(script, nproc=4, timeout=280)
+    result = kiln_run(script, nproc=3, timeout=280)
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
     assert result.stderr.count("Traceback (most recent call last)") == 1 and len(lines) == 5, result.stderr
@@ -135,7 +137,7 @@ def test_every_rank_raising_the_same_error_is_one_traceback(tmp_path):
     assert m, lines[4]
     others = _others(m.group(1))  # most fail the same way; one torchrun stopped first would be said so
     assert "failed the same way" in others and set(others) <= {"failed the same way", "stopped"}, others
-    assert sorted(n for ranks in others.values() for n in ranks) == sorted({0, 1, 2, 3} - {rank}), lines[4]
+    assert sorted(n for ranks in others.values() for n in ranks) == sorted({0, 1, 2} - {rank}), lines[4]
 
 
 MISSPELT = """\
