@@ -6,7 +6,8 @@ module-scoped setup runs each drill once and the tests read what it left:
 * two nodes of one process each (`--nnodes 2`) train the Trainer job of tests/workers/elastic_nodes.py
   with checkpoints; a single launcher `-n 2` runs the same job; the losses are equal, bit for bit.
   The same for a config-CLI job (examples/mlp.yaml), run by the same two launches' ranks after the
-  first job (elastic_nodes.py --then): one pair of launches for both.
+  first job (elastic_nodes.py --then): one pair of launches for both (and one forked job of 2 ranks
+  for both references).
 * an elastic job (`--nnodes 1:2 --max-restarts 3`): one node's `kiln run` is SIGKILLed after batch
   5 (the checkpoint at batch 4 is the last complete one); the other node re-rendezvouses alone,
   restarts at world size 1 and resumes from batch 4 (DCP reshards the 2-rank checkpoint). At batch
@@ -155,8 +156,9 @@ def drills(tmp_path_factory):
     _wait([p for p, _ in pair], 240, [log for _, log in pair])
     for proc, log in pair:
         assert proc.returncode == 0, log.read_text()[-4000:]
-    check(fork_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", timeout=240))  # the reference: 2 ranks
-    check(fork_run("kiln.cli.main", *_cli_job(runs["cli_one_node"])[2:], module=True, timeout=240, cwd=ROOT))
+    # the references: 2 ranks of one job, both jobs in them as in the pair's ranks (--then)
+    then = ("--then", *_cli_job(runs["cli_one_node"])[2:])
+    check(fork_run(SCRIPT, str(runs["one_node"]), "--duration", "8ba", *then, timeout=240, cwd=ROOT))
     # 2. an elastic job loses a node and goes on alone, then takes a node in again
     return runs, _elastic_drill(tmp, runs)
 
