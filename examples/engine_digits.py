@@ -8,6 +8,7 @@ Step 1 is digits_config.py; steps 2-5 are below. Each rank trains on its half of
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -22,7 +23,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from digits_data import DigitsCNN, digits_datasets  # noqa: E402
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # a shorter run than the config's (tests/test_examples.py runs 6 epochs); the schedule spans it
+    parser.add_argument("--epochs", type=int, default=None, help="epochs to train (default: the config's NUM_EPOCHS)")
+    return parser.parse_args()
+
+
 def main() -> float:
+    args = parse_args()
     # Step 2: initialise the distributed environment (torchrun's variables; a world of 1 otherwise).
     config = Path(__file__).with_name("digits_config.py")
     if "RANK" in os.environ:
@@ -30,6 +39,7 @@ def main() -> float:
     else:
         ctx = kiln.launch(config=config, seed=42)
     cfg = ctx.config
+    epochs = args.epochs or cfg.NUM_EPOCHS
     logger = kiln.get_dist_logger()
 
     # Step 3: build the training components as in any PyTorch script.
@@ -39,7 +49,7 @@ def main() -> float:
     test_dataloader = kiln.get_dataloader(test_set, add_sampler=False, batch_size=256)
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.LEARNING_RATE, momentum=0.9, weight_decay=5e-4)
-    lr_scheduler = CosineAnnealingLR(optimizer, total_steps=cfg.NUM_EPOCHS)
+    lr_scheduler = CosineAnnealingLR(optimizer, total_steps=epochs)
 
     # Step 4: wrap them; the config's fp16 section turns on torch amp with a GradScaler.
     engine, train_dataloader, test_dataloader, _ = kiln.initialize(
@@ -53,7 +63,7 @@ def main() -> float:
     # Step 5: train with the engine.
     start = time.perf_counter()
     accuracy = 0.0
-    for epoch in range(cfg.NUM_EPOCHS):
+    for epoch in range(epochs):
         train_dataloader.sampler.set_epoch(epoch)
         engine.train()
         for img, label in train_dataloader:

@@ -3,7 +3,7 @@ kiln can prevent (issue 23).
 
 Each check runs in a fresh interpreter and reads its ``sys.modules`` and stderr:
 
-* ``import kiln`` imports no optional package (nor torch);
+* ``import kiln`` imports no optional package (nor torch), nor do ``kiln --help`` and ``kiln --version``;
 * a plain Trainer run (fit, a checkpoint, the console logger) imports none either; only
   ``float8=`` imports torchao;
 * a Hugging Face run prints none of the warnings torchao logs while transformers imports it
@@ -59,6 +59,22 @@ LOADED = f"json.dumps(sorted({{n.split('.')[0] for n in sys.modules}} & set({OPT
 
 def test_import_kiln_imports_no_optional_package(tmp_path):
     loaded, _ = _run(f"import json, sys, kiln; print({LOADED})", tmp_path)
+    assert loaded == []
+
+
+def test_kiln_help_and_version_import_no_torch(tmp_path):
+    # `kiln --help` and `kiln --version` answer in a fraction of a second: no torch import (~4
+    # CPU-s), nor any optional package (kiln.cli.train imports kiln.launch, hence torch, only to run)
+    code = f"""
+        import contextlib, io, json, sys
+        from kiln.cli.main import main
+        for flag in ("--help", "--version"):
+            with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+                main([flag])
+            assert out.getvalue().startswith(("usage: kiln", "kiln ")), out.getvalue()
+        print({LOADED})
+    """
+    loaded, _ = _run(code, tmp_path)
     assert loaded == []
 
 

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 from kiln.config.args import TrainerArgs, dump_yaml, load_trainer_args
 from kiln.config.overrides import ConfigError, format_error
 from kiln.config.types import field_docs, is_dataclass_type, type_name
-from kiln.launch.environments import Launcher, LaunchError, detect
 
 if TYPE_CHECKING:
+    from kiln.launch.environments import Launcher
     from kiln.trainer.trainer import Trainer
 
 __all__ = ["add_parser", "fields_help", "train"]
@@ -37,6 +37,9 @@ __all__ = ["add_parser", "fields_help", "train"]
 
 def _launcher() -> Launcher | None:
     """The launcher this command runs under (torchrun, Open MPI, a SLURM step), as a config error."""
+    # imported here: kiln.launch imports torch, which `kiln --help` and `kiln --version` never need
+    from kiln.launch.environments import LaunchError, detect
+
     try:
         return detect()
     except LaunchError as e:
