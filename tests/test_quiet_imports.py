@@ -1,7 +1,7 @@
 """Optional packages load only for the feature that needs them, and a run prints no foreign warnings
 kiln can prevent (issue 23).
 
-Each check runs in a fresh interpreter and reads its ``sys.modules`` and stderr:
+Each check runs in a fresh interpreter of its own and reads its ``sys.modules`` and stderr:
 
 * ``import kiln`` imports no optional package (nor torch), nor do ``kiln --help`` and ``kiln --version``;
 * a plain Trainer run (fit, a checkpoint, the console logger) imports none either; only
@@ -13,6 +13,7 @@ Each check runs in a fresh interpreter and reads its ``sys.modules`` and stderr:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -40,8 +41,9 @@ OPTIONAL = [
 TORCHAO_IMPORT_NOISE = ("Failed to load", "_C_mxfp8", "is an Enum subclass", "Skipping import of cpp extensions")
 
 
-def _run(code: str, tmp_path) -> tuple[dict, str]:
-    """Run ``code`` in a new interpreter; returns (the JSON it printed last, its stderr)."""
+def _run(code: str, tmp_path, marked: bool = False) -> tuple:
+    """Run ``code`` in a new interpreter; returns (the JSON it printed last, its stderr), or with
+    ``marked``, a list of the JSON of every line it printed after ``loaded:``."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=base_env(),
@@ -51,7 +53,17 @@ def _run(code: str, tmp_path) -> tuple[dict, str]:
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    if marked:
+        lines = [line.removeprefix("loaded:") for line in result.stdout.splitlines() if line.startswith("loaded:")]
+        return [json.loads(line) for line in lines], result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def _needs(package: str) -> None:
+    """Skip without the package; not importorskip: its import here (torchao ~3 CPU-s) proves nothing,
+    the checks import it in their own interpreters."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
 
 
 LOADED = f"json.dumps(sorted({{n.split('.')[0] for n in sys.modules}} & set({OPTIONAL!r} + ['torch'])))"
@@ -78,31 +90,38 @@ def test_kiln_help_and_version_import_no_torch(tmp_path):
     assert loaded == []
 
 
-def _plain_run(float8: bool | dict) -> str:
-    return f"""
+def _plain_runs(with_float8: bool) -> str:
+    """A plain fit, then (with_float8) one with ``float8=``, in ONE interpreter: a line of what was
+    loaded after each (the first is taken before the float8 run exists, so it is the plain run's
+    alone; one interpreter's torch and kiln imports instead of two)."""
+    fit = """
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        batches = [(torch.randn(16, 16), torch.randn(16, 16))] * 2
+        trainer = kiln.Trainer(model, criterion=nn.MSELoss(), train_dataloader=batches, max_duration="2ba",
+                               optimizers=torch.optim.SGD(model.parameters(), lr=0.1), save_folder={folder!r},
+                               loggers=[kiln.loggers.ConsoleLogger()], float8={float8!r}, progress_bar=False)
+        trainer.fit()
+        trainer.close()
+        print("loaded:" + {loaded})
+    """
+    code = """
         import json, sys
         import torch
         from torch import nn
         import kiln
-
-        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
-        batches = [(torch.randn(16, 16), torch.randn(16, 16))] * 2
-        trainer = kiln.Trainer(model, criterion=nn.MSELoss(), train_dataloader=batches, max_duration="2ba",
-                               optimizers=torch.optim.SGD(model.parameters(), lr=0.1), save_folder="ck",
-                               loggers=[kiln.loggers.ConsoleLogger()], float8={float8!r}, progress_bar=False)
-        trainer.fit()
-        trainer.close()
-        print({LOADED})
-    """
+    """ + fit.format(folder="ck", float8=False, loaded=LOADED)
+    if with_float8:
+        code += fit.format(folder="float8/ck", float8={"emulate": True}, loaded=LOADED)
+    return code
 
 
 def test_a_plain_run_imports_no_optional_package_and_float8_imports_torchao(tmp_path):
-    loaded, _ = _run(_plain_run(float8=False), tmp_path)
-    assert loaded == ["torch"]
-    pytest.importorskip("torchao")
-    (tmp_path / "float8").mkdir()
-    loaded, _ = _run(_plain_run(float8={"emulate": True}), tmp_path / "float8")  # asked for: imported
-    assert "torchao" in loaded
+    with_float8 = importlib.util.find_spec("torchao") is not None
+    loaded, _ = _run(_plain_runs(with_float8), tmp_path, marked=True)
+    assert len(loaded) == (2 if with_float8 else 1), loaded
+    assert loaded[0] == ["torch"]
+    _needs("torchao")
+    assert "torchao" in loaded[1]  # asked for: imported
 
 
 HF_RUN = f"""
@@ -124,7 +143,7 @@ HF_RUN = f"""
 
 
 def test_a_hugging_face_run_prints_no_torchao_import_warnings(tmp_path):
-    pytest.importorskip("transformers")
+    _needs("transformers")
     loaded, err = _run(HF_RUN, tmp_path)
     assert "transformers" in loaded
     noise = [line for line in err.splitlines() if any(text in line for text in TORCHAO_IMPORT_NOISE)]
@@ -132,7 +151,7 @@ def test_a_hugging_face_run_prints_no_torchao_import_warnings(tmp_path):
 
 
 def test_torchao_warnings_after_its_import_still_show(tmp_path):
-    pytest.importorskip("torchao")
+    _needs("torchao")
     code = """
         import json, logging, sys
         import kiln
