@@ -9,6 +9,7 @@ stepped every batch, and callbacks.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -45,7 +46,15 @@ class DigitsClassifier(kiln.Model):
         return {"Accuracy": Accuracy()}
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # a shorter run (tests/test_examples.py runs 4 epochs); the warmup and cosine span max_duration
+    parser.add_argument("--epochs", type=int, default=8, help="epochs to train: max_duration='<epochs>ep' (default 8)")
+    return parser.parse_args()
+
+
 def main() -> float:
+    args = parse_args()
     if "RANK" in os.environ:
         kiln.launch_from_torch(seed=17)
     train_set, test_set = digits_datasets()
@@ -56,7 +65,7 @@ def main() -> float:
         eval_dataloader=torch.utils.data.DataLoader(test_set, batch_size=128),
         optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4),
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="0.1dur"),
-        max_duration="8ep",
+        max_duration=f"{args.epochs}ep",
         eval_interval="1ep",
         callbacks=[SpeedMonitor(window_size=20), LRMonitor()],
         loggers=[ConsoleLogger(log_interval=1000)],  # console: eval results and every 1000th batch

@@ -22,6 +22,8 @@ EXAMPLES = ROOT / "examples"
 # The digits walkthroughs in 6 epochs, not their config's 8 (the cosine schedule spans the 6): their
 # amp_fp16 steps are slow on CPU (autocast float16 convolutions, ~4x float32's); 6 reach 96.7-98%, 5 only 95.8%
 DIGITS_ARGS = ["--epochs", "6"]
+# The Composer-style tour (float32: not slow, but 8 epochs of 22 steps) in 4 epochs, not 8
+COMPOSER_ARGS = ["--epochs", "4"]
 # The CIFAR-10 walkthrough at a test's size: 64 images, 2 epochs of 2 steps of 8
 CIFAR_ARGS = ["--epochs", "2", "--batch-size", "8", "--max-steps", "2"]
 
@@ -36,7 +38,7 @@ def examples(tmp_path_factory):
         {"name": n, "path": str(EXAMPLES / f"{n}.py"), "argv": DIGITS_ARGS} for n in ("engine_digits", "trainer_digits")
     ]
     if importlib.util.find_spec("torchmetrics") is not None:
-        scripts.append({"name": "composer_style", "path": str(EXAMPLES / "composer_style.py")})
+        scripts.append({"name": "composer_style", "path": str(EXAMPLES / "composer_style.py"), "argv": COMPOSER_ARGS})
     if importlib.util.find_spec("transformers") is not None:  # last: it is the one that may not import
         _write_cifar(out / "cifar", train=64, test=16)
         argv = ["--data", str(out / "cifar"), *CIFAR_ARGS]
