@@ -394,3 +394,38 @@ class ForkedRank:
         if self._proc.exitcode is None:
             self._proc.kill()
             self._proc.join()
+
+
+class ForkedWorker:
+    """A process forked from the pytest worker's warm server (what fork_run's ranks are),
+    ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank (with torchrun's variables in
+    ``env`` where a drill gives them), with the Popen calls a drill makes. For drills of what
+    processes do (die, stop, heal), not of how they start: a fresh interpreter's imports cost ~6
+    CPU-s (tests/test_fault_tolerance.py, tests/test_fault_tolerance_kill.py)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
+        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}  # parent_death: the server is the parent
+        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)

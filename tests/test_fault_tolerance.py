@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -47,7 +45,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
+from distributed import WORKERS, ForkedWorker, base_env, free_port
 
 pytest.importorskip("torchft")
 
@@ -68,51 +66,17 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-class _Forked:
-    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
-    ranks are), ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank, with the Popen
-    calls the drill makes. How the groups and the Lighthouse start is not under test (their deaths,
-    stops and heals are): a fresh interpreter's imports cost ~6 CPU-s, and the two drills start ten."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
-        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}  # parent_death: the server is the parent
-        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
-        self._proc.start()
-        self.pid = self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout)
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        if self._proc.exitcode is None:
-            self._proc.kill()
-            self._proc.join()
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-
 class _Drill:
     def __init__(self, folder: Path, groups: int = 2) -> None:
         self.folder, self.procs, self.env = folder, {}, {**base_env(), "FT_GROUPS": str(groups)}
         self.began, self.phases = time.monotonic(), []
 
-    def start(self, name: str, *cmd: str) -> _Forked:
-        proc = _Forked(list(cmd), self.env, self.folder / f"{name}.out", self.folder / f"{name}.err")
+    def start(self, name: str, *cmd: str) -> ForkedWorker:
+        proc = ForkedWorker(list(cmd), self.env, self.folder / f"{name}.out", self.folder / f"{name}.err")
         self.procs[name] = proc
         return proc
 
-    def group(self, name: str, group: int, life: int, *extra: str) -> _Forked:
+    def group(self, name: str, group: int, life: int, *extra: str) -> ForkedWorker:
         return self.start(
             name, str(WORKERS / "ft_group.py"), str(group), self.lighthouse, str(self.folder), str(life), *extra
         )

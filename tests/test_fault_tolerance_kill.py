@@ -24,11 +24,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from distributed import WORKERS, _fork_rank, _forkserver, base_env, free_port
+from distributed import WORKERS, ForkedWorker, base_env, free_port
 
 pytest.importorskip("torchft")
 
@@ -36,40 +35,8 @@ DEADLINE = 150.0  # seconds any one phase may take before the test fails with th
 FOREIGN = ("Traceback", "NCCL", "HTTP/1.1", "UserWarning")
 
 
-class _Forked:
-    """A process forked from the pytest worker's warm server (tests/distributed.py: what fork_run's
-    ranks are), ``python -m kiln.launch.worker CMD`` as `kiln run` starts a rank (with torchrun's
-    variables in ``env``), with the Popen calls the drill makes. Group 1's `kiln run` is real: its
-    torchrun agent's restart is what the drill tests; group 0's launcher and the Lighthouse's
-    interpreter are not (~19 CPU-s of fresh interpreters' imports)."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], out: Path, err: Path) -> None:
-        env = {k: v for k, v in env.items() if k != "KILN_RUN_PID"}
-        self._proc = _forkserver().Process(target=_fork_rank, args=(cmd, True, env, str(out), str(err), None))
-        self._proc.start()
-        self.pid = self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
-    def poll(self) -> int | None:
-        return self._proc.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        if self._proc.exitcode is None:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout)
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        if self._proc.exitcode is None:
-            self._proc.kill()
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-
+# Group 1's `kiln run` is real: its torchrun agent's restart is what the drill tests. Group 0 and
+# the Lighthouse are forked from the warm server (ForkedWorker: ~19 CPU-s of fresh interpreters less).
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ft_kill")
@@ -80,8 +47,8 @@ def killed(tmp_path_factory):
         procs[name] = subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=err)
         return procs[name]
 
-    def fork(name: str, cmd: list[str], torchrun: dict[str, str]) -> _Forked:
-        procs[name] = _Forked(cmd, {**env, **torchrun}, folder / f"{name}.out", folder / f"{name}.err")
+    def fork(name: str, cmd: list[str], torchrun: dict[str, str]) -> ForkedWorker:
+        procs[name] = ForkedWorker(cmd, {**env, **torchrun}, folder / f"{name}.out", folder / f"{name}.err")
         return procs[name]
 
     def steps() -> list[dict]:
