@@ -5,8 +5,9 @@ moment at which torch 2.13's gloo threads can still be waiting for the GIL (see 
 With FAIL_RANK, that rank raises after one all-reduce instead, without DDP: the launcher's report of
 the failure is what that job shows, not the exit race, and building DDP imports torch._dynamo (~3
 CPU-s a rank). With ``destroy`` the script ends with its own ``destroy_process_group()``, as many
-scripts do. ``mixed``: odd ranks end with their own ``destroy_process_group()``; even ranks leave the group to kiln and print ``rank R: group destroyed at
-exit`` when kiln's exit handler destroys it (while Python is still alive, after ``finished``).
+scripts do. ``mixed``: odd ranks end with their own ``destroy_process_group()``; even ranks leave the
+group to kiln and print ``rank R: group destroyed at exit`` when kiln's exit handler destroys it
+(while Python is still alive, after ``finished``).
 """
 
 import os
