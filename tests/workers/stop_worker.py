@@ -2,15 +2,18 @@
 
 Usage: ``stop_worker.py MODE [OUT]``
 
-* ``loop``: DDP steps forever; each rank writes ``started RANK PID`` once.
-* ``boom``: rank 1 raises ``RuntimeError("boom")`` in forward at step 2 while rank 0 waits for it
-  in backward's all-reduce.
+* ``loop``: a step with an all-reduce forever; each rank writes ``started RANK PID`` once.
+* ``boom``: rank 1 raises ``RuntimeError("boom")`` at step 2 while rank 0 waits for it in the
+  step's all-reduce.
 * ``node``: the rank on node 1 (torchrun's ``GROUP_RANK``) raises at step 2 (multi-node jobs).
 * ``trainer OUT``: a Trainer that checkpoints into ``OUT/ckpt`` every batch, for ever; rank 0
   writes ``saved`` once two checkpoints exist.
 
 Lines go out with one ``os.write`` each: the test kills these processes, and a kill between a
 line's text and its newline would glue it to the next one.
+
+The modes but ``trainer`` step with a plain all-reduce, not DDP: what the launcher does when a
+worker is stopped or fails is the same, and building DDP imports torch._dynamo (~3 CPU-s a rank).
 """
 
 import os
@@ -28,20 +31,6 @@ ctx = kiln.launch_from_torch(timeout=60)
 
 def say(text: str) -> None:
     os.write(1, f"{text}\n".encode())
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.step = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.step == 2 and (
-            (mode == "boom" and ctx.rank == 1) or (mode == "node" and os.environ.get("GROUP_RANK") == "1")
-        ):
-            raise RuntimeError("boom")  # BOOM_LINE
-        return self.lin(x)
 
 
 if mode == "trainer":
@@ -67,10 +56,12 @@ if mode == "trainer":
     )
     trainer.fit()
 else:
-    net = Net()
-    model = nn.parallel.DistributedDataParallel(net)
+    failing = (mode == "boom" and ctx.rank == 1) or (mode == "node" and os.environ.get("GROUP_RANK") == "1")
     say(f"started {ctx.rank} {os.getpid()}")
+    step = 0
     while True:
-        model(torch.randn(2, 4)).sum().backward()
-        net.step += 1
+        if step == 2 and failing:
+            raise RuntimeError("boom")  # BOOM_LINE
+        torch.distributed.all_reduce(torch.randn(4))  # the others wait here for the rank that failed
+        step += 1
         time.sleep(0.05)
