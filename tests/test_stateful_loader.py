@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import signal
 import subprocess
-import sys
 import warnings
 from collections import Counter
 
@@ -24,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import kiln
-from distributed import WORKERS, base_env
+from distributed import WORKERS, fork_ranks
 from kiln.launch.data import ResumableSampler
 from kiln.launch.streaming import as_stateful_dataloader
 from workers.stream_data import StatefulStream, Stream, read_fetches
@@ -48,13 +47,16 @@ def _ids(batches) -> list[list[int]]:
 
 
 # -- end to end: SIGKILL and autoresume ------------------------------------------------------------
-def _start(out, tag, *args) -> subprocess.Popen:
-    out.mkdir(exist_ok=True)
-    log = open(out / f"log_{tag}.txt", "w")  # a file, not a pipe: orphaned workers may hold a pipe open
-    with log:
-        return subprocess.Popen(
-            [sys.executable, str(RUN), str(out), "--tag", tag, *args], env=base_env(), stdout=log, stderr=log
-        )
+def _launch(*runs) -> subprocess.CompletedProcess:
+    """One process forked from the tests' warm server (tests/distributed.py: no fresh interpreter's
+    torch and kiln imports, ~5 CPU-s each) training ``runs`` (each ``(out, tag, *args)``) one after
+    another (``--then``), its loader workers forked from it as in a fresh process."""
+    argv = []
+    for i, (out, tag, *args) in enumerate(runs):
+        out.mkdir(exist_ok=True)
+        argv += [*(["--then"] if i else []), str(out), "--tag", tag, *args]
+    (done,) = fork_ranks(RUN, lambda rank: {}, nproc=1, args=tuple(argv), timeout=240)
+    return done
 
 
 def _trained(out, tag) -> dict[int, list[int]]:
@@ -67,15 +69,17 @@ def _trained(out, tag) -> dict[int, list[int]]:
 
 def test_a_stateful_stream_with_two_workers_killed_mid_epoch_resumes_exactly(tmp_path):
     # 40 samples, 4 a batch: 10 batches an epoch, 2 epochs. The run saves after batch 13 (batch 3
-    # of epoch 1) and SIGKILLs itself as batch 16 starts (prefetched by the workers), then resumes.
+    # of epoch 1) and SIGKILLs itself as batch 16 starts (prefetched by the workers), then resumes in
+    # a process of its own. The uninterrupted run goes first in the killed run's process: it reseeds
+    # and builds its model, loader and Trainer anew (tests/workers/then_runs.py).
     full_out, out = tmp_path / "full", tmp_path / "run"
-    launches = [_start(full_out, "full", "--save-at", "13"), _start(out, "a0", "--save-at", "13", "--kill-at", "15")]
-    codes = [p.wait(timeout=240) for p in launches]
-    assert codes == [0, -signal.SIGKILL], [
-        (d / f"log_{t}.txt").read_text()[-2000:] for d, t in ((full_out, "full"), (out, "a0"))
-    ]
-    resumed = _start(out, "a1", "--save-at", "13", "--autoresume")
-    assert resumed.wait(timeout=240) == 0, (out / "log_a1.txt").read_text()[-3000:]
+    killed = _launch((full_out, "full", "--save-at", "13"), (out, "a0", "--save-at", "13", "--kill-at", "15"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (full_out / "final_full_rank0.pt").exists(), (
+        f"the uninterrupted run did not finish:\n{killed.stderr[-3000:]}"
+    )
+    resumed = _launch((out, "a1", "--save-at", "13", "--autoresume"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     full = _trained(full_out, "full")
     assert len(full) == 20 and sorted(sum((full[b] for b in range(1, 11)), [])) == list(range(40))
@@ -88,7 +92,7 @@ def test_a_stateful_stream_with_two_workers_killed_mid_epoch_resumes_exactly(tmp
     assert not trained_before & set(fetched), "the resumed run fetched samples trained before its checkpoint"
     # it fetched exactly what it trained: the rest of the epoch, 7 batches
     assert sorted(fetched) == sorted((1, i) for b in range(14, 21) for i in full[b]) and len(fetched) == 28
-    assert "fetches the" not in (out / "log_a1.txt").read_text()  # no replay warning
+    assert "fetches the" not in resumed.stdout + resumed.stderr  # no replay warning
     final, resumed_final = (
         torch.load(d / f"final_{t}_rank0.pt", weights_only=True) for d, t in ((full_out, "full"), (out, "a1"))
     )
