@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import io
 import signal
-import subprocess
-import sys
 import warnings
 from collections import Counter
 
@@ -22,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import kiln
-from distributed import WORKERS, base_env, free_port
+from distributed import WORKERS, ForkedRank, base_env, free_port
 from kiln.launch.streaming import shard_by_rank, with_sharded_stream
 
 datasets = pytest.importorskip("datasets")
@@ -88,11 +86,13 @@ def test_a_rank_share_resumes_exactly_in_this_process(tmp_path):
 
 
 # -- end to end on 2 ranks -----------------------------------------------------------------------
-def _start(port, *runs) -> list[subprocess.Popen]:
-    """The 2 ranks, started directly (no torchrun agent to import torch too), training ``runs``
+def _start(port, *runs) -> list[ForkedRank]:
+    """The 2 ranks, forked from the tests' warm server (tests/distributed.py: no fresh interpreter's
+    torch, kiln and datasets imports) and started directly (no torchrun agent), training ``runs``
     (each ``(out, tag, *args)``) one after another; a SIGKILL at the same batch start on both needs
-    no agent to end the other rank. Their output goes to the last run's ``log_<tag>_rank<r>.txt``."""
-    cmd = [sys.executable, str(RUN)]
+    no agent to end the other rank. Their output goes to the last run's ``log_<tag>_rank<r>.txt``
+    (stderr) and ``.out`` (stdout)."""
+    cmd = [str(RUN)]
     for i, (out, tag, *args) in enumerate(runs):
         _write_text(out / "text")
         cmd += [*(["--then"] if i else []), str(out), "--data", "hf", "--epochs", "1", "--save-at", "2"]
@@ -101,17 +101,17 @@ def _start(port, *runs) -> list[subprocess.Popen]:
     for rank in range(2):
         env = {**base_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        with open(out / f"log_{tag}_rank{rank}.txt", "w") as log:  # a file: orphaned workers may hold a pipe
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        log = out / f"log_{tag}_rank{rank}"
+        procs.append(ForkedRank(cmd, env, log.with_suffix(".out"), log.with_suffix(".txt")))
     return procs
 
 
-def _wait(procs) -> list[int]:
+def _wait(procs) -> list[int | None]:
     try:
         return [p.wait(timeout=300) for p in procs]
     finally:
         for p in procs:
-            p.kill()
+            p.stop(signal.SIGKILL)
 
 
 def _logs(out, tag) -> str:
