@@ -11,6 +11,7 @@ configuration error is the message of the check the real run calls.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 import sys
@@ -39,6 +40,17 @@ def _stdlib_read_once():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(lm_data, "stdlib_bytes", functools.cache(lm_data.stdlib_bytes))
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imports_frozen():
+    """What is alive before this module's dry runs (torch's, transformers' and kiln's modules: over a
+    million objects) is never their garbage: frozen, the collection each rank's step makes first
+    (kiln.planning.dry_run.measure_step) scans only what the dry runs made (0.2-0.4 CPU-s less a rank)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 LAYERS, HIDDEN, INTER, VOCAB, SEQ, MICRO = 2, 128, 256, 512, 64, 2
@@ -97,6 +109,15 @@ def closed_form(tp: int, dp: int, split_vocab: bool = False) -> tuple[int, int]:
     return total, count
 
 
+@functools.cache
+def fsdp8(tied: bool = False):
+    """The dry run of FSDP alone on 8 ranks, the embedding and the LM head two weights or one
+    (``tie_word_embeddings``): the closed form and the tied-embeddings tests read the untied one."""
+    run = config({"strategy": "fsdp"})
+    run["model"]["args"]["config"]["tie_word_embeddings"] = tied
+    return dry_run(load_trainer_args(run, world_size=8), 8)
+
+
 # FSDP alone and FSDP over tensor parallelism at the largest world; the world of 64 between them
 # (fsdp8xtp8) ran the same code with another dp_shard: the closed form's dp_shard is also checked
 # at 8 (fsdp8), and the tp 8 layout at 64 and 128 ranks by the kiln train and kiln plan tests below.
@@ -109,7 +130,7 @@ def closed_form(tp: int, dp: int, split_vocab: bool = False) -> tuple[int, int]:
     ids=["fsdp8", "fsdp64xtp8"],
 )
 def test_what_a_rank_holds_and_moves_is_the_closed_form(world, compute, tp):
-    report = dry_run(load_trainer_args(config(compute), world_size=world), world)
+    report = fsdp8() if tp == 1 else dry_run(load_trainer_args(config(compute), world_size=world), world)
     dp = world // tp
     params, tensors = closed_form(tp, dp)
     (rank,) = report.ranks
@@ -134,14 +155,39 @@ def test_what_a_rank_holds_and_moves_is_the_closed_form(world, compute, tp):
     assert rank.checkpoint_bytes == 3 * params + 4 * tensors
 
 
-@pytest.mark.parametrize("world", [512], ids=["fsdp64xtp8"])  # 64 ranks: test_kiln_train_dry_run_...
-def test_sequence_and_loss_parallel_hold_and_move_the_closed_form(world):
+@pytest.fixture(scope="module")
+def plan_json(tmp_path_factory) -> dict:
+    """``kiln plan -f run.yaml --world-size 128 --dry-run --json`` of tensor parallelism 8 (sequence and
+    loss parallel: a Llama's default), parsed, and what the run's folder held after it: the closed
+    form of that layout and the command line's report are read from one dry run."""
+    import contextlib
+    import io
+
+    from kiln.cli.main import main
+
+    folder = tmp_path_factory.mktemp("plan")
+    path = _write(folder, config({"tp": 8, "dp_shard": -1}))
+    out = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+        patch.chdir(folder)
+        code = main(["plan", "-f", str(path), "--world-size", "128", "--dry-run", "--json"])
+    return {"code": code, "report": json.loads(out.getvalue()), "files": sorted(p.name for p in folder.iterdir())}
+
+
+class _Rank:
+    """A rank of the JSON report, read as a RankReport is."""
+
+    def __init__(self, fields: dict) -> None:
+        self.__dict__.update(fields)
+
+
+def test_sequence_and_loss_parallel_hold_and_move_the_closed_form(plan_json):
     # the default with tp > 1 for a Llama: the residual stream sharded on the sequence, the embedding
-    # and the LM head on the vocabulary (issue 32)
-    report = dry_run(load_trainer_args(config({"tp": 8, "dp_shard": -1}), world_size=world), world)
-    dp = world // 8
+    # and the LM head on the vocabulary (issue 32); dp_shard 16 of 128 ranks (64: test_kiln_train_dry_run_...)
+    report = plan_json["report"]
+    dp = report["world_size"] // 8
     params, tensors = closed_form(8, dp, split_vocab=True)
-    (rank,) = report.ranks
+    (rank,) = [_Rank(r) for r in report["ranks"]]
     assert rank.params == rank.grads == params and rank.optimizer == 2 * params + 4 * tensors
     assert params < closed_form(8, dp)[0]  # the embedding and the head no longer whole on each rank
     # each tensor-parallel collective moves one bf16 microbatch of the whole sequence: gathered before
@@ -248,13 +294,8 @@ def test_a_shared_trace_is_over_the_later_modules_own_tensors():
 def test_tied_embeddings_are_held_once():
     # Placement made the meta parameters fake one module at a time, which untied the head from the
     # embedding (a second copy the optimizer never saw: Qwen2's tied models measured 1.3-1.45x high).
-    def measured(tied: bool):
-        run = config({"dp_shard": -1})
-        run["model"]["args"]["config"]["tie_word_embeddings"] = tied
-        return dry_run(load_trainer_args(run, world_size=4), 4).ranks[0]
-
-    untied, tied = measured(False), measured(True)
-    embedding = VOCAB * HIDDEN * 4 // 4  # fp32, FSDP's shard of one of 4 ranks
+    (untied,), (tied,) = fsdp8(tied=False).ranks, fsdp8(tied=True).ranks
+    embedding = VOCAB * HIDDEN * 4 // 8  # fp32, FSDP's shard of one of 8 ranks
     assert untied.params - tied.params == untied.grads - tied.grads == embedding
     assert untied.optimizer - tied.optimizer == 2 * embedding + 4  # AdamW's two moments, and a step
 
@@ -320,13 +361,9 @@ def _write(tmp_path: Path, cfg: dict) -> Path:
     return path
 
 
-def test_kiln_plan_dry_run_prints_the_report_as_json(tmp_path, monkeypatch, capsys):
-    from kiln.cli.main import main
-
-    path = _write(tmp_path, config({"tp": 8, "dp_shard": -1}))
-    monkeypatch.chdir(tmp_path)
-    assert main(["plan", "-f", str(path), "--world-size", "128", "--dry-run", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+def test_kiln_plan_dry_run_prints_the_report_as_json(plan_json):
+    assert plan_json["code"] == 0
+    out = plan_json["report"]
     params, _ = closed_form(8, 16, split_vocab=True)  # tp 8 of a Llama: sequence and loss parallel
     assert out["world_size"] == 128 and out["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 16, "tp": 8}
     assert out["ranks"][0]["params"] == params
@@ -338,7 +375,7 @@ def test_kiln_plan_dry_run_prints_the_report_as_json(tmp_path, monkeypatch, caps
         "rank", "coordinates", "params", "grads", "optimizer", "activations", "peak", "collectives", "calls",
         "checkpoint_bytes", "checkpoint_entries",
     }  # fmt: skip
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]  # nothing written
+    assert plan_json["files"] == ["run.yaml"]  # nothing written
 
 
 def test_kiln_plan_dry_run_fails_in_one_line_with_status_2(tmp_path, monkeypatch, capsys):
