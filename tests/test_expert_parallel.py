@@ -1,9 +1,9 @@
 """Expert parallelism (kiln.parallel.transforms.expert_parallel, Hybrid(ep=...), compute_config.ep) against one process.
 
 Parity (workers/moe_parity_worker.py): a tiny kiln.models.MoELlama in float64 trained with plain
-SGD for 3 steps, each rank on its data-parallel share, against a plain torch loop on the whole
+SGD for 2 steps, each rank on its data-parallel share, against a plain torch loop on the whole
 batch in one process: every step's loss (aux loss included), the first step's full gradients and
-every weight and buffer after 3 steps within TOL = 1e-9. Cases: EP 2 on 2 ranks (efsdp 1); on 4
+every weight and buffer after 2 steps within TOL = 1e-9. Cases: EP 2 on 2 ranks (efsdp 1); on 4
 ranks EP 2 x FSDP 2 (the experts FSDP-sharded over the 2 ranks holding the same experts), EP 2 x TP
 2 and EP 2 x HSDP (dp_replicate 2). Variants: softmax routing with the aux loss; DeepSeek-V3's
 sigmoid routing with a shared expert and bias balancing (the bias update's all-reduce); clipping
@@ -83,7 +83,7 @@ def _failures(r):
     found = []
     if r["loss_abs"] >= TOL:
         found.append(f"losses differ by {r['loss_abs']:.3g}")
-    for key, what in (("grad", "first-step gradients"), ("weight", "weights after 3 steps")):
+    for key, what in (("grad", "first-step gradients"), ("weight", "weights after 2 steps")):
         if r[f"{key}_missing"]:
             found.append(f"{what} lack {r[f'{key}_missing']}")
         if r[f"{key}_abs"] >= TOL or r[f"{key}_rel"] >= TOL:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx.config
 
 pytest.importorskip("transformers")
 
@@ -56,6 +57,15 @@ def _cut(model: HuggingFaceModel, batch: dict):
     with model.pipeline_trace(batch):
         unsaved = _non_persistent_buffers(model)
         return pipeline(model, mb_args=(batch,), split_spec=split), unsaved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_stack_traces():
+    # the per-node source stacks of the traces are for a reader of the graph (a fifth of a trace's
+    # CPU, and every test here traces); nothing here reads them
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.fx.config, "do_not_emit_stack_traces", True)
+        yield
 
 
 @pytest.fixture(scope="module")

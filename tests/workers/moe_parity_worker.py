@@ -1,4 +1,4 @@
-"""Expert parallelism against one process: a tiny MoELlama, float64, plain SGD, 3 steps.
+"""Expert parallelism against one process: a tiny MoELlama, float64, plain SGD, 2 steps.
 
 Usage: moe_parity_worker.py OUT CASE:VARIANT ... [--reshard DIR save|load EP]. Rank 0 writes
 OUT/moe_parity.json: {"CASE:VARIANT": {...}}. With ``--reshard``, the same process group then runs
@@ -9,7 +9,7 @@ the case's strategy through the Engine on its data-parallel share and compares
 
 * each step's loss (the mean over ranks of the ranks' losses; the aux loss included);
 * the full gradients of the first step (DTensor shards gathered), before the optimizer step;
-* every weight and buffer (the expert bias included) after 3 steps.
+* every weight and buffer (the expert bias included) after 2 steps (the second on the first's weights and expert bias).
 
 A case ending in ``_broken_combine`` runs with ExpertParallel.combine returning twice the experts'
 outputs (as if the combine weights were doubled): the test expects that one to fail.
@@ -28,7 +28,7 @@ from kiln.parallel import Hybrid, full_model_state_dict
 from kiln.parallel.transforms.expert_parallel import ExpertParallel
 
 LR = 0.5
-GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 8, 3, 32
+GLOBAL_BATCH, SEQ, STEPS, VOCAB = 8, 8, 2, 32
 CLIP = 0.05
 
 CASES = {

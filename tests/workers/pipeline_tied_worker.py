@@ -16,13 +16,14 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.fx.config
 
 import kiln
 from hf_common import batches
 from hf_common import make_model as make_llama
 from kiln.parallel import Hybrid, Pipeline
 
-STEPS, ACCUM, GLOBAL_BATCH, CLIP, LR = 3, 2, 8, 0.5, 0.5
+STEPS, ACCUM, GLOBAL_BATCH, CLIP, LR = 2, 2, 8, 0.5, 0.5
 TIED = ("model.model.embed_tokens.weight", "model.lm_head.weight")  # in a HuggingFaceModel
 # one layer (the trace is most of a case's cost): the first stage is the embedding alone
 LAYER, NORM = "model.model.layers.0", "model.model.norm"
@@ -100,6 +101,9 @@ def copies(engine, weight):
 def main():
     out, cases = sys.argv[1], sys.argv[2:]
     ctx = kiln.launch_from_torch(seed=0)
+    # the source stack fx records for each traced node, and prints into each stage's code, is for a
+    # reader of the graph, which nothing here is: without it a pipeline's trace costs less CPU
+    torch.fx.config.do_not_emit_stack_traces = True
     references = {}
     results = {}
     for name in cases:
