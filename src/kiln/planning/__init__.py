@@ -14,6 +14,8 @@
                                            Engine, strategy) on a fake world of any size, with what
                                            each rank holds and moves
 :mod:`~kiln.planning.shared_trace`         one trace of a pipelined model, shared by the ranks
+:mod:`~kiln.planning.rank_workers`         the ranks after the first measured side by side, in
+                                           processes forked from the dry run's
 :mod:`~kiln.planning.fake_world`           the fake process group and fake tensors of the dry run
 :mod:`~kiln.planning.comm_count`           the collective counter the dry run measures with
 =========================================  ========================================================

@@ -13,8 +13,11 @@ time, on a fake process group and fake tensors (:mod:`kiln.planning.fake_world`)
    (*skipped*: nothing to compile for on fake tensors), FSDP;
 4. one training step of the run's first microbatch (``grad_accumulation_steps`` of them, as the
    Trainer splits a batch), through :meth:`kiln.Engine.train_step`: forwards, backwards, gradient
-   reduction, clipping and the optimizer step. A pipeline builds its stages on its first batch, so
-   under ``pp > 1`` a first step builds them and a second step is the one measured;
+   reduction, clipping and the optimizer step. A pipeline builds its stages on its first batch:
+   under ``pp > 1`` that batch first builds them and sets up the schedule (its buffers and the
+   warm-up exchange with the neighbouring stages) without running a microbatch
+   (:meth:`~kiln.parallel.pipelining.runtime.PipelineRuntime.setting_up`), so the step measured
+   is a run's steady one;
 5. the checkpoint's save plan: the sharded state dict a save would write
    (``strategy.state_dict``) and DCP's local plan of it.
 
@@ -56,6 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from kiln.planning.comm_count import KINDS, CollectiveCounter
+from kiln.planning.rank_workers import default_workers, measure_ranks
 from kiln.planning.shared_trace import one_trace
 
 if TYPE_CHECKING:
@@ -250,13 +254,17 @@ def _loss_of(engine: Engine) -> Any:
 
 def measure_step(engine: Engine, microbatches: Sequence[Any], sizes: dict[str, int], rank: int) -> RankReport:
     """Run one training step of ``microbatches`` through ``engine`` and measure it (see the module
-    docstring). Under a pipeline whose stages are not built yet, a first step builds them."""
+    docstring). Under a pipeline whose stages are not built yet, they are built and the schedule set
+    up first, with no microbatch run."""
     from kiln.cost.activations import _LiveBytes
 
     loss_of = _loss_of(engine)
     pipeline = getattr(engine.strategy, "pipeline", None)
     if pipeline is not None and not pipeline.built:
-        engine.train_step(microbatches, loss_of)  # builds the stages; the next step is a run's steady one
+        # builds the stages and sets up the schedule's buffers and neighbours, running no microbatch:
+        # the step measured below is then a run's steady one
+        with pipeline.setting_up():
+            engine.train_step(microbatches, loss_of)
     params, grads, state = _held(engine)
     buffers = list(engine.model.buffers())
     tracker = _LiveBytes(
@@ -415,7 +423,12 @@ def dry_run_rank(args: TrainerArgs, world_size: int, rank: int, microbatch: Any)
 
 
 def dry_run(
-    args: TrainerArgs, world_size: int, *, ranks: Sequence[int] | None = None, microbatch: Any = None
+    args: TrainerArgs,
+    world_size: int,
+    *,
+    ranks: Sequence[int] | None = None,
+    microbatch: Any = None,
+    workers: int | None = None,
 ) -> DryRunReport:
     """Dry-run ``args`` (resolved for ``world_size``: :func:`kiln.config.load_trainer_args`) as
     ``ranks`` of a world of ``world_size`` (default: the first rank of each pipeline stage).
@@ -425,6 +438,9 @@ def dry_run(
         world_size: the ranks of the run.
         ranks: the ranks to measure.
         microbatch: the batch each rank's step runs (default: :func:`first_microbatch`).
+        workers: processes measuring the ranks after the first at once
+            (:mod:`kiln.planning.rank_workers`; default: one per CPU this process may use; 1: one
+            after another in this process).
 
     Raises:
         ValueError: a configuration error, with the message the real run gives.
@@ -439,15 +455,17 @@ def dry_run(
         microbatch = first_microbatch(args)
     todo = list(ranks) if ranks is not None else [0]
     reports: dict[int, RankReport] = {}
-    engine: Any = None
-    num_parameters = 0
     with one_trace():  # a pipeline's ranks share the first one's trace of the model
-        while todo:
-            rank = todo.pop(0)
-            reports[rank], engine, num_parameters = dry_run_rank(args, world_size, rank, microbatch)
-            if ranks is None and rank == 0:  # now the mesh is known: the first rank of every other stage
-                sizes = mesh_sizes(engine.strategy, world_size)
-                todo += [stage * world_size // sizes.get("pp", 1) for stage in range(1, sizes.get("pp", 1))]
+        first = todo.pop(0)
+        reports[first], engine, num_parameters = dry_run_rank(args, world_size, first, microbatch)
+        if ranks is None:  # now the mesh is known: the first rank of every other stage
+            sizes = mesh_sizes(engine.strategy, world_size)
+            todo += [stage * world_size // sizes.get("pp", 1) for stage in range(1, sizes.get("pp", 1))]
+
+        def measure(rank: int) -> RankReport:
+            return dry_run_rank(args, world_size, rank, microbatch)[0]
+
+        reports.update(measure_ranks(measure, todo, default_workers() if workers is None else workers))
     notes = []
     if args.compile:
         notes.append(

@@ -58,6 +58,7 @@ from kiln.parallel.pipelining.schedules import (
     V_SHAPED,
     forward_only,
     schedule_class,
+    set_up_stages,
     skip_same_rank_warmup,
     stage_ids,
     stage_rank,
@@ -326,6 +327,10 @@ def _keep_unsaved(stage: nn.Module, names: set[str]) -> None:
                 module._non_persistent_buffers_set.add(name)
 
 
+# what _run returns for a step that only set up the schedule (PipelineRuntime.setting_up)
+_SET_UP = object()
+
+
 class PipelineRuntime:
     """The stages and schedule of one rank, built on the first batch (or from ``example_input``).
 
@@ -386,10 +391,25 @@ class PipelineRuntime:
         self._schedule: _PipelineSchedule | None = None
         self._step_loss: Callable[..., torch.Tensor] | None = None
         self._pending: tuple | None = None
+        self._setting_up = False
 
     @property
     def built(self) -> bool:
         return self._schedule is not None
+
+    @contextmanager
+    def setting_up(self) -> Iterator[None]:
+        """Within: a training step builds the stages (if they are not built yet) and sets up what the
+        schedule's first step sets up (:func:`~kiln.parallel.pipelining.schedules.set_up_stages`),
+        and runs no microbatch: no forward, no loss, no gradient (the step's loss is 0). The next
+        step is then like every later one from its start, which is what a dry run measures
+        (:mod:`kiln.planning.dry_run`). Where this torch's schedule cannot be set up apart from a
+        step, the step runs whole."""
+        self._setting_up = True
+        try:
+            yield
+        finally:
+            self._setting_up = False
 
     def build(self, args: tuple, kwargs: dict) -> None:
         """Trace the model on the first microbatch of ``args``/``kwargs`` and keep this rank's stages."""
@@ -477,6 +497,10 @@ class PipelineRuntime:
         assert schedule is not None  # built above
         step_args, step_kwargs = (args, kwargs) if self.has_first else ((), {})
         with self.precision.autocast(self.device):
+            if self._setting_up and not eval_only:
+                step_target = target if self.has_last else None
+                if set_up_stages(schedule, step_args, step_kwargs, step_target, self.microbatches):
+                    return _SET_UP
             if eval_only:
                 with forward_only(schedule, self.schedule_name):
                     return schedule.eval(*step_args, target=target if self.has_last else None, **step_kwargs)
@@ -526,10 +550,10 @@ class PipelineRuntime:
 
         self._step_loss = step_loss
         try:
-            self._run(args, kwargs, target, eval_only=False)
+            ran = self._run(args, kwargs, target, eval_only=False) is not _SET_UP
         finally:
             self._step_loss = None
-        if sync:
+        if sync and ran:
             self.tied.sum_grads()
         value = torch.stack(recorded).mean() if recorded else torch.zeros((), device=self.device, dtype=self.loss_dtype)
         dist.broadcast(value, src=self.last_rank, group=self.group)  # the loss lives on the last stage

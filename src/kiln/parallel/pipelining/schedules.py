@@ -24,6 +24,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 __all__ = ["SCHEDULES", "schedule_class", "stage_ids", "stage_rank", "stage_count_error"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleaved_zb", "zbv", "dualpipev")
@@ -124,6 +126,36 @@ def skip_same_rank_warmup(stage: Any) -> None:
         return [op for op in ops_of() if op.group_peer != own]
 
     stage._get_init_p2p_neighbors_ops = ops
+
+
+def set_up_stages(schedule: Any, args: tuple, kwargs: dict, target: Any, microbatches: int) -> bool:
+    """Do to ``schedule`` what its first ``step(*args, target=target, **kwargs)`` does before the
+    first microbatch runs (each stage's receive buffers and backward bookkeeping, the warm-up
+    exchange with the neighbouring stages) and nothing of the step itself.
+
+    After it, the first step allocates and moves what every later step does, which is what a dry
+    run measures (kiln.planning.dry_run), without a whole step run first only to set up. torch has
+    no public call for it: this is the step's own private setup (``_initialize_stages`` of a
+    multi-stage schedule, ``_initialize_stage`` of a single-stage one, torch 2.13 and 2.14), given
+    the first microbatch as ``step`` splits it. Returns False, having done nothing, where this
+    torch has neither (the first step then sets itself up).
+    """
+    set_up = getattr(schedule, "_initialize_stages", None) or getattr(schedule, "_initialize_stage", None)
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    if set_up is None or None in stages or not hasattr(schedule, "_has_backward"):
+        return False
+    for stage in stages:  # what step() tells its stages first: the buffers for gradients depend on it
+        stage.has_backward = schedule._has_backward
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    if args or kwargs:  # only the first stage's rank gets the inputs
+        arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+        first_args, first_kwargs = arg_mbs[0], kwarg_mbs[0]
+    else:
+        first_args, first_kwargs = (), {}
+    first_target = torch.tensor_split(target, microbatches)[0] if target is not None else None
+    set_up(first_args, first_kwargs, first_target)
+    return True
 
 
 @contextlib.contextmanager
