@@ -59,8 +59,9 @@ LONGEST_FIRST = (
     "test_packaging.py",
     "test_levers.py",
     "test_dry_run.py",
+    "test_dry_run_steady.py",
     "test_checkpoint_storage.py",
-    "test_one_traceback.py",  # real kiln run launches of up to 4 ranks
+    "test_one_traceback.py",  # real kiln run launches of up to 3 ranks
     "test_hygiene.py",
     "test_hf_models.py",
     "test_plan_vs_real.py",
