@@ -112,6 +112,9 @@ def test_pipeline_with_fsdp_under_amp_bf16_trains_like_autocast(four_ranks):
     assert amp["loss_abs"] < 5e-3, f"losses {losses} vs one process under autocast {ref}"
     assert amp["weight_abs"] < 5e-3 and amp["grad_abs"] < 5e-3, amp
     assert max(amp["eval_abs"]) < 2e-2, amp["eval_abs"]
+    # the stages send activations and receive their gradients in FSDP's bf16 (a float32 trace sent
+    # float32: twice the bytes, and float32 gradients inside each stage)
+    assert four_ranks[AMP]["p2p_dtypes"] == ["torch.bfloat16"], four_ranks[AMP]["p2p_dtypes"]
     # the stages really computed in bfloat16: the first loss is the autocast one, not float32's
     assert abs(losses[0] - ref[0]) < 1e-5, (losses[0], ref[0])
     assert abs(losses[0] - fp32["ref_losses"][0]) > 1e-4, (losses[0], fp32["ref_losses"][0])

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.fx.config
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kiln
 from kiln.parallel import Hybrid, Pipeline
@@ -121,6 +122,21 @@ def reference(blocks, dtype, clip, autocast=False, lr=LR):
     return grads, first, _clone(model.state_dict()), losses, norms
 
 
+class SentDtypes(TorchDispatchMode):
+    """The dtypes of the activations and gradients a pipeline's sends and receives carry (c10d's
+    send and recv ops, as kiln.planning.comm_count sees them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.c10d.send.default, torch.ops.c10d.recv_.default):
+            # activations and their gradients, not torch's one-number set-up exchanges
+            self.dtypes.update(str(t.dtype) for t in args[0] if t.numel() > 1)
+        return func(*args, **(kwargs or {}))
+
+
 def run_case(name, accum, clip):
     """Train case ``name`` for STEPS steps; return what the test compares with the reference."""
     blocks, make_strategy, precision, dtype, _ = CASES[name]
@@ -217,7 +233,12 @@ def main():
         if precision == "amp_bf16":
             # the same run under autocast on one process, and in float32: how far bf16 moves the
             # numbers, which the pipeline's distance from the autocast run must stay well under
-            got = run_case(name, 1, None)
+            # the stages send, receive and compute gradients in FSDP's bf16 (traced in it)
+            with SentDtypes() as sent:
+                got = run_case(name, 1, None)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, sorted(sent.dtypes))
+            results[name]["p2p_dtypes"] = sorted({d for rank in every for d in rank})
             ref_amp, ref_fp32 = reference(blocks, dtype, None, autocast=True), reference(blocks, dtype, None)
             results[name]["amp"] = compare(got, ref_amp, blocks, dtype)
             results[name]["fp32"] = compare(got, ref_fp32, blocks, dtype)

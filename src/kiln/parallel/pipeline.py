@@ -25,6 +25,7 @@ from kiln.parallel.pipelining.schedules import (
 from kiln.parallel.pipelining.tied_weights import pipeline_ranks
 from kiln.parallel.state.grad_norm import clip_grad_norm_
 from kiln.parallel.strategy import Strategy
+from kiln.parallel.transforms.data_parallel import mixed_precision_policy
 from kiln.parallel.transforms.parallelize import STAGE_STEPS, WHOLE_MODEL_STEPS, ParallelizePlan, parallelize
 
 if TYPE_CHECKING:
@@ -93,6 +94,10 @@ class PipelineSteps(Strategy):
                     "in place, which the pipeline cannot run"
                 )
 
+        # FSDP inside the stages gathers their parameters in its mixed-precision dtype: the stages are
+        # traced in it (PipelineRuntime's trace_dtype)
+        policy = mixed_precision_policy(plan.precision) if plan.dp_mesh is not None else None
+        trace_dtype = policy.param_dtype if policy is not None else None
         pipelines = None  # one pipeline over the world (Pipeline), else one per pp slice of the mesh (Hybrid)
         if plan.mesh is not None and "pp" in (plan.mesh.mesh_dim_names or ()):
             pipelines = pipeline_ranks(plan.mesh)
@@ -110,6 +115,7 @@ class PipelineSteps(Strategy):
             transform=transform,
             trace_context=trace_context,
             pipelines=pipelines,
+            trace_dtype=trace_dtype,
         )
         if self.example_input is not None:
             example = self.example_input

@@ -20,8 +20,8 @@ bytes, ``a`` the residual stream's (``cb`` under FSDP, fp32 under amp without it
   without it in fp32 before clipping.
 * Without it tensor parallelism all-reduces ``t x h`` 7 times per block and microbatch (8
   checkpointed): 2 forward in ``cb`` (3 checkpointed), 5 backward in ``cb``, or fp32 inside a
-  pipeline stage (traced in fp32).
-* A pipeline sends each microbatch's fp32 activations and receives their gradients, and broadcasts
+  pipeline stage without FSDP (traced in fp32; with FSDP a stage is traced in ``cb``).
+* A pipeline sends each microbatch's activations in ``a`` and receives their gradients, and broadcasts
   the loss; with tied embeddings its first and last stage all-reduce the tied weight's gradient.
 """
 
@@ -99,15 +99,16 @@ def plan_collectives(
     elif tp > 1:
         # each block all-reduces its attention's and its MLP's output in the forward (and the first
         # again in a checkpointed block's recomputation) and q, k, v, gate and up their input's
-        # gradient in the backward: in the compute dtype, or fp32 (the trace's) in a pipeline stage
-        backward = rb if pp > 1 else cb
+        # gradient in the backward: in the compute dtype, or in a pipeline stage without FSDP in the
+        # trace's fp32 (with FSDP the stage is traced in the compute dtype)
+        backward = rb if pp > 1 and dp == 1 else cb
         ar = ((3 if checkpointing else 2) * cb + 5 * backward) * layers * m * t * shape.hidden
         collectives["all_reduce"] = {"tp": ar}
     if pp > 1:
         # each microbatch's activations sent forward and their gradients back, in the trace's dtype
-        # (fp32 under amp: the stage's output is cast back to it), once per neighbour; and the loss
-        # broadcast (one fp32 scalar)
-        p2p = (2 if pp == 2 else 4) * m * t * shape.hidden * rb
+        # (the residual stream's: the compute dtype under FSDP, else fp32 under amp), once per
+        # neighbour; and the loss broadcast (one fp32 scalar)
+        p2p = (2 if pp == 2 else 4) * m * t * shape.hidden * a
         collectives["p2p"] = {"pp": p2p}
         collectives["broadcast"] = {"pp": 4}
         if shape.tied:

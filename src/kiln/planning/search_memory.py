@@ -17,8 +17,8 @@ grouped-query attention, whose repeated keys and values are what attention saves
 key/value width), ``f`` the MLP's intermediate size, ``V`` the vocabulary, ``T`` the
 tensor-parallel size, ``Q`` the sequence shards (``T`` under sequence parallelism, else 1), ``c``
 the compute dtype's bytes (2), ``a`` the residual stream's (``c`` under FSDP, whose bf16 parameters
-make the embedding's output bf16; 4 under amp without FSDP and in a pipeline stage, traced in
-fp32), ``P`` one block's parameters, ``R`` the embedding's and head's (over ``T`` where
+make the embedding's output bf16, in a pipeline stage too, traced in them; 4 under amp without
+FSDP), ``P`` one block's parameters, ``R`` the embedding's and head's (over ``T`` where
 they are split over the vocabulary: sequence parallelism, untied):
 
 * a block, not checkpointed, saves ``2t((4 + a)h/Q + 4/Q)`` for its two norms (the fp32 input or
@@ -45,7 +45,8 @@ Each moment also holds the rotary tables, the boolean mask when checkpointed, an
 ``microbatches > 1``, the unsharded fp32 gradients kept between microbatches, ``S x 4`` (a
 vocabulary-split embedding's over the whole vocabulary). A pipeline stage keeps its blocks gathered
 across its microbatches (``S c``, Hybrid's default under pp); its first stage holds ``min(pp,
-microbatches)`` microbatches of blocks, its last one and the loss, ``t V (12 + 4)`` under amp (the
+microbatches)`` microbatches of blocks, its last one and the loss, ``t V (12 + c)`` under amp with
+FSDP (the stage's bf16 logits, in the dtype it was traced in), ``t V (12 + 4)`` without it (the
 logits cast back to the traced fp32 for the loss).
 
 Llama-3-8B at FSDP 64 x TP 8, one sequence of 8192 tokens, every block checkpointed, amp_bf16:
@@ -86,10 +87,10 @@ def precision_bytes(precision: str | None) -> tuple[int, int, int, int]:
 
 def residual_bytes(precision: str, *, dp: int, pp: int) -> int:
     """Bytes per element of the residual stream: FSDP gathers amp's parameters in the compute dtype,
-    so the embedding's output and every add after it are in it; without FSDP, or in a pipeline stage
-    (traced in fp32, whose output is cast back to it), autocast leaves them fp32."""
+    so the embedding's output and every add after it are in it (in a pipeline stage too, traced in
+    it); without FSDP autocast leaves them fp32."""
     _, _, cb, rb = precision_bytes(precision)
-    return cb if ((dp > 1 and pp == 1) or not precision.startswith("amp")) else rb
+    return cb if (dp > 1 or not precision.startswith("amp")) else rb
 
 
 @dataclass(frozen=True)
@@ -189,11 +190,12 @@ def plan_memory(
     if pp > 1:
         # a pipeline stage keeps its blocks gathered from its first forward to its last backward
         # (Hybrid's default under pp); the first stage holds min(pp, microbatches) microbatches of
-        # its blocks, the last one and the loss: its output (the logits) cast back to fp32 under
-        # amp, the log-softmax, its input's and its output's gradients
+        # its blocks, the last one and the loss: its output (the logits; under amp in the trace's
+        # dtype: FSDP's compute dtype, else cast back to fp32), the log-softmax, its input's and its
+        # output's gradients
         gathered = stage * cb if fsdp else 0
         inflight = min(pp, m)
-        loss = t * V * (12 + (_F32 if amp else 0))
+        loss = t * V * (12 + ((cb if fsdp else _F32) if amp else 0))
         moments["first_stage"] = inflight * layers * kept + (full if checkpointing else 0) + gathered + common
         moments["loss"] = layers * kept + final_norm + loss + gathered + common
     else:

@@ -1,18 +1,19 @@
 """Stage outputs keep the dtypes the pipeline was traced with.
 
-torch.distributed.pipelining sizes every send and receive buffer from the traced model, which kiln
-traces in its storage dtypes (float32 under amp_bf16 and amp_fp16). Two things then change a
-stage's output dtype at run time: autocast (a stage that ends in a Linear returns bfloat16) and
-FSDP's mixed-precision policy (it all-gathers parameters and casts a stage's inputs to bfloat16, so
-even a residual stream leaves the stage in bfloat16). The receiving rank's buffer is still float32:
-with gloo the bytes of a bfloat16 tensor land in a float32 buffer and the losses are garbage
-(1e21 on the first step, nan on the second), and with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch
-stops with "Stage 0 forward outputs[0]: dtype mismatch: torch.float32 vs torch.bfloat16".
+torch.distributed.pipelining sizes every send and receive buffer from the traced model. kiln traces
+it in the dtype its stages' parameters compute in: FSDP's mixed-precision dtype where FSDP shards
+the stages (bfloat16 under amp_bf16: :class:`~kiln.parallel.pipelining.runtime.PipelineRuntime`'s
+``trace_dtype``), else the storage dtype (float32 under autocast alone, whose eager residual stream
+is float32 too). Autocast can still change a stage's output dtype at run time (a stage that ends in
+a Linear returns bfloat16 from a float32 trace; one that ends in a norm returns float32 from a
+bfloat16 one), and the receiving rank's buffer has the traced dtype: with gloo the bytes of a
+bfloat16 tensor land in a float32 buffer and the losses are garbage (1e21 on the first step, nan
+on the second), and with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch stops with "Stage 0 forward
+outputs[0]: dtype mismatch: torch.float32 vs torch.bfloat16".
 
-Casting each stage's floating-point outputs back to the traced dtype fixes both: a cast from
-bfloat16 or float16 up to float32 is exact, the next stage computes on the same values (its
-autocast or FSDP input cast takes them down again), and autograd's cast backward hands the
-gradient back in the dtype the stage computed in. The boundary costs float32 bytes on the wire.
+Casting each stage's floating-point outputs to the traced dtype fixes both: the next stage computes
+on the values it was traced for (its autocast or FSDP input cast takes them down where it would),
+and autograd's cast backward hands the gradient back in the dtype the stage computed in.
 """
 
 from __future__ import annotations

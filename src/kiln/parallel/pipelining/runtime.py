@@ -236,14 +236,19 @@ def _weights_per_stage(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 @contextmanager
-def _on_fake_tensors(model: nn.Module, device: torch.device) -> Iterator[dict[int, torch.Tensor]]:
+def _on_fake_tensors(
+    model: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None
+) -> Iterator[dict[int, torch.Tensor]]:
     """While tracing: every parameter and buffer of ``model`` is a fake tensor on ``device`` (meta
     parameters cannot meet the batch's device in a trace; fake ones have no storage either, as in a
-    dry run), tied ones one fake. Yields the map from each fake's id to the tensor it stands for;
-    the model gets its own tensors back when the block ends."""
+    dry run), tied ones one fake; with ``param_dtype``, the floating-point parameters' fakes are of
+    that dtype (the stages compute in it: :meth:`PipelineRuntime.build`). Yields the map from each
+    fake's id to the tensor it stands for; the model gets its own tensors back when the block ends."""
+    from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # a dry run's tensors are fake already, of the mode it runs under: their stand-ins must be of it
+    mode = detect_fake_mode(list(model.parameters())) or FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
     originals: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
@@ -255,7 +260,12 @@ def _on_fake_tensors(model: nn.Module, device: torch.device) -> Iterator[dict[in
                     if value is None:
                         continue
                     if id(value) not in fakes:
-                        data = torch.empty_like(value, device=device if value.is_meta else value.device)
+                        dtype = (
+                            param_dtype
+                            if param_dtype is not None and table is module._parameters and value.is_floating_point()
+                            else value.dtype
+                        )
+                        data = torch.empty_like(value, dtype=dtype, device=device if value.is_meta else value.device)
                         fake = nn.Parameter(data, value.requires_grad) if isinstance(value, nn.Parameter) else data
                         fakes[id(value)], originals[id(fake)] = fake, value
                     swapped.append((table, name, value))
@@ -296,17 +306,30 @@ def _put_back(split: nn.Module, originals: Mapping[int, torch.Tensor], model: nn
             original = originals.get(id(value))
             if original is None and isinstance(value, nn.Parameter):
                 source = by_name.get(fqn)
-                original = (
-                    source
-                    if source is not None and id(source) in held
-                    else nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device="meta"), value.requires_grad)
-                )
+                if source is not None and id(source) in held:
+                    original = source
+                elif source is not None and not source.is_meta:  # traced on fakes for the dtype only
+                    original = nn.Parameter(source.detach().clone(), value.requires_grad)
+                else:
+                    dtype = source.dtype if source is not None else value.dtype
+                    original = nn.Parameter(torch.empty(value.shape, dtype=dtype, device="meta"), value.requires_grad)
             if original is None:
                 raise RuntimeError(
                     f"pipeline stage tensor {fqn!r} was made while tracing on fake tensors and has no values; "
                     "load the model with meta_init=False"
                 )
             table[name] = original
+
+
+def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` (tensors in tuples, lists and dicts) with its floating-point tensors in ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_dtype(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_dtype(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _non_persistent_buffers(model: nn.Module) -> set[str]:
@@ -347,6 +370,9 @@ class PipelineRuntime:
         pipelines: the global ranks of every pipeline of the world, each in pipeline-rank order (the
             same list on every rank; the groups that sum a tied weight's copies are made for all of
             them at once: :mod:`kiln.parallel.pipelining.tied_weights`). None: ``group`` is the only one.
+        trace_dtype: the dtype the stages' parameters compute in where that is not their storage
+            dtype (FSDP's mixed precision: bfloat16 under amp_bf16); the model is traced in it, so
+            the stages send, receive and compute their gradients in it. None: the storage dtype.
     """
 
     def __init__(
@@ -364,11 +390,13 @@ class PipelineRuntime:
         transform: Callable[[nn.Module], None] | None = None,
         trace_context: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
         pipelines: Sequence[Sequence[int]] | None = None,
+        trace_dtype: torch.dtype | None = None,
     ) -> None:
         self.model, self.split_points, self.schedule_name = model, list(split_points), schedule
         self.microbatches, self.group, self.pp_rank, self.pp_size = microbatches, group, pp_rank, pp_size
         self.device, self.precision, self.optimizer, self.transform = device, precision, optimizer, transform
         self.trace_context = trace_context  # entered around the trace (Hybrid's tensor parallelism: tp_trace)
+        self.trace_dtype = trace_dtype
         self.num_stages = len(self.split_points) + 1
         # "loop" placement (stage s on rank s % pp), or the V of zbv and dualpipev, whose last stage
         # is on rank 0 (see kiln.parallel.pipelining.schedules)
@@ -427,14 +455,26 @@ class PipelineRuntime:
         ):
             not_saved = _non_persistent_buffers(self.model)
             staged = _weights_per_stage(self.model)
-            with _on_fake_tensors(self.model, self.device) if staged else nullcontext() as originals:
+            # The stages compute in trace_dtype (FSDP's bf16 under amp_bf16): traced in it, the
+            # model's casts (an RMSNorm's back to its input's dtype) and the stage boundaries are in
+            # it too, so what crosses a boundary and every gradient inside a stage are bf16, as in
+            # the same model run eagerly under FSDP, not the storage dtype's float32.
+            trace_dtype = self.trace_dtype
+            if trace_dtype is not None and all(
+                p.dtype == trace_dtype for p in self.model.parameters() if p.is_floating_point()
+            ):
+                trace_dtype = None
+            on_fakes = bool(staged) or trace_dtype is not None
+            if trace_dtype is not None:  # FSDP casts a stage's floating inputs the same way
+                mb_args[0], mb_kwargs[0] = _to_dtype((mb_args[0], mb_kwargs[0]), trace_dtype)
+            with _on_fake_tensors(self.model, self.device, trace_dtype) if on_fakes else nullcontext() as originals:
                 pipe = pipeline(
                     self.model,
                     mb_args=mb_args[0],
                     mb_kwargs=mb_kwargs[0],
                     split_spec={point: SplitPoint.BEGINNING for point in self.split_points},
                 )
-        if staged:
+        if on_fakes:
             _put_back(pipe.split_gm, originals or {}, self.model)
         if pipe.num_stages != self.num_stages:
             raise ValueError(
