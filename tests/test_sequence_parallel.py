@@ -189,7 +189,7 @@ def test_the_default_is_off_where_kiln_has_no_plan():
     assert _plan(_tiny(), plan={"model.model.layers.*.mlp.up_proj": "colwise"}) is None
     assert _plan(_tiny(), blocker="pp=2") is None
     assert _plan(_tiny(), sequence_parallel=False) is None
-    assert _plan(_tiny("mixtral", num_local_experts=2)) is None
+    assert _plan(_tiny("qwen3")) is None
     assert "output" in _plan(MoELlama(vocab_size=32, dim=16, num_layers=1, num_heads=2, num_experts=2))
 
 
@@ -197,7 +197,7 @@ def test_the_default_is_off_where_kiln_has_no_plan():
     "model, kwargs, words",
     [
         ("linear", {"sequence_parallel": True}, "kiln has no sequence-parallel plan for Linear"),
-        ("mixtral", {"sequence_parallel": True}, "model_type 'mixtral' is not one of llama, mistral, qwen2"),
+        ("qwen3", {"sequence_parallel": True}, "model_type 'qwen3' is not one of llama, mistral, qwen2, mixtral"),
         ("llama", {"sequence_parallel": True, "blocker": "pp=2"}, "does not run with pp=2"),
         ("llama", {"loss_parallel": True, "plan": {"x": "colwise"}}, "a tensor-parallel plan was given"),
         ("llama", {"loss_parallel": True, "sequence_parallel": False}, "loss_parallel=True with sequence_parallel"),
@@ -211,7 +211,7 @@ def test_asked_for_where_it_cannot_run_it_is_refused_in_one_line(model, kwargs, 
 
     built = {
         "linear": lambda: torch.nn.Linear(2, 2),
-        "mixtral": lambda: _tiny("mixtral", num_local_experts=2),
+        "qwen3": lambda: _tiny("qwen3"),
         "llama": _tiny,
         "tied": lambda: _tiny(tie_word_embeddings=True),
         "bare": lambda: _tiny().model,

@@ -13,10 +13,10 @@ the whole state (parameters, persistent and non-persistent buffers) and compares
 
 * ``single``, ``ddp``, ``zero3``: kiln's strategy of that name;
 * ``tp``: ``TensorParallel()``, ``hybrid``: ``Hybrid(dp_shard=2, tp=2)`` (4 ranks); both with
-  kiln's default sequence and loss parallel plans for the Llama family (checked: the norms are
-  DTensors on the ``tp`` mesh, and an untied LM head is split over the vocabulary there), and
-  Mixtral's own plan (its fused experts split by kiln's ``fused_experts`` style: checked, the
-  experts' ``gate_up_proj`` is a DTensor on the ``tp`` mesh);
+  kiln's default sequence and loss parallel plans (checked: the norms are DTensors on the ``tp``
+  mesh, and an untied LM head is split over the vocabulary there), the Mixtral's fused experts
+  split by kiln's ``fused_experts_partial`` style (checked: the experts' ``gate_up_proj`` is a
+  DTensor on the ``tp`` mesh);
 * ``ep``: ``Hybrid(dp_shard=2, ep=2)`` (the Mixtral): its fused experts split over ``ep``
   (kiln.parallel.transforms.hf_expert_parallel; checked: a DTensor on the ``ep`` mesh, 2 of the 4
   experts on each rank), and this rank read from the files the per-expert tensors of its own
@@ -98,11 +98,11 @@ def on_tp(tensor: torch.Tensor, shard: int | None) -> bool:
 
 
 def check_sequence_parallel(engine: kiln.Engine, model: str) -> None:
-    """The Llama family ran kiln's default sequence (and, untied, loss) parallel plan; Mixtral its own."""
+    """Every model ran kiln's default sequence (and, untied, loss) parallel plan; the Mixtral's fused
+    experts are split over tp too (gate and up alike)."""
     hf = engine.strategy.unwrap(engine.model).model
-    if model == "mixtral":  # its own plan: the fused experts split over tp (gate and up alike)
+    if model == "mixtral":
         assert on_tp(hf.model.layers[0].mlp.experts.gate_up_proj, None), "mixtral: experts not split"
-        return
     assert on_tp(hf.model.layers[0].input_layernorm.weight, None), f"{model}: no sequence parallelism"
     tied = bool(hf.config.tie_word_embeddings)
     assert on_tp(hf.lm_head.weight, 0) != tied, f"{model}: loss parallel is {'on' if tied else 'off'}"

@@ -19,8 +19,10 @@ __all__ = [
     "huggingface_tp_plan",
     "is_huggingface_module",
     "SEQUENCE_PARALLEL_FAMILIES",
+    "MOE_SEQUENCE_PARALLEL_FAMILIES",
     "huggingface_sequence_parallel_plan",
     "huggingface_sequence_parallel_refusal",
+    "huggingface_pipeline_sequence_parallel_refusal",
     "tied_embeddings",
     "token_mean_cross_entropy",
     "full_logits",
@@ -97,17 +99,40 @@ def huggingface_tp_plan(model: nn.Module) -> dict[str, str] | None:
 # -- sequence parallelism and loss parallelism ---------------------------------------------------
 # The transformers decoders kiln has a sequence-parallel plan for: Llama's layout (pre-norm decoder
 # layers of input_layernorm, self_attn with q/k/v/o_proj called with hidden_states=..., and
-# post_attention_layernorm, mlp with gate/up/down_proj; embed_tokens and norm in the base model,
-# an lm_head beside it) and that base_model_tp_plan exactly.
-SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2")
-_LLAMA_BASE_PLAN = {
+# post_attention_layernorm, mlp; embed_tokens and norm in the base model, an lm_head beside it) and
+# the base_model_tp_plan of each family exactly. The mlp is Llama's gate/up/down_proj, or in the MoE
+# families (MOE_SEQUENCE_PARALLEL_FAMILIES) a sparse block of a router (gate), fused experts and, in
+# Qwen2-MoE, a shared expert with its sigmoid shared_expert_gate; Qwen-MoE's dense layers
+# (mlp_only_layers, decoder_sparse_step) keep Llama's mlp.
+MOE_SEQUENCE_PARALLEL_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SEQUENCE_PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", *MOE_SEQUENCE_PARALLEL_FAMILIES)
+_ATTENTION_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
     "layers.*.self_attn.v_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
+}
+_MLP_PLAN = {
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
+}
+_EXPERTS_PLAN = {f"layers.*.mlp.experts{'.' if p else ''}{p}": s for p, s in _FUSED_EXPERTS.items()}
+_LLAMA_BASE_PLAN = {**_ATTENTION_PLAN, **_MLP_PLAN}
+# each family's config.base_model_tp_plan (transformers 5), which its layout is checked against
+_BASE_PLANS = {
+    "llama": _LLAMA_BASE_PLAN,
+    "mistral": _LLAMA_BASE_PLAN,
+    "qwen2": _LLAMA_BASE_PLAN,
+    "mixtral": {**_ATTENTION_PLAN, **_EXPERTS_PLAN},
+    "qwen2_moe": {**_ATTENTION_PLAN, **_EXPERTS_PLAN, **_MLP_PLAN},
+    "qwen3_moe": {
+        **_ATTENTION_PLAN,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+        **_EXPERTS_PLAN,
+        **_MLP_PLAN,
+    },
 }
 
 
@@ -130,13 +155,49 @@ def huggingface_sequence_parallel_refusal(model: nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SEQUENCE_PARALLEL_FAMILIES:
         return f"its model_type {model_type!r} is not one of {', '.join(SEQUENCE_PARALLEL_FAMILIES)}"
-    if dict(getattr(config, "base_model_tp_plan", None) or {}) != _LLAMA_BASE_PLAN:
+    if dict(getattr(config, "base_model_tp_plan", None) or {}) != _BASE_PLANS[model_type]:
         return f"its config.base_model_tp_plan is not the {model_type} one kiln's plan is written for"
     head = hf.get_output_embeddings() if callable(getattr(hf, "get_output_embeddings", None)) else None
     base = getattr(hf, "base_model", hf)
     if head is None or base is hf or not all(hasattr(base, n) for n in ("embed_tokens", "norm", "layers")):
         return f"{type(hf).__name__} is not a causal LM with embed_tokens, norm and layers in its base model"
+    for i, layer in enumerate(base.layers):
+        if _mlp_kind(getattr(layer, "mlp", None)) is None:
+            return f"layer {i}'s mlp is neither gate/up/down_proj Linears nor a MoE block of a router and fused experts"
     return None
+
+
+def huggingface_pipeline_sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why kiln runs no sequence parallelism for ``model`` inside pipeline stages (one clause), or None:
+    a MoE family's blocks (their partial outputs, the router's plain tensors) are written for an eager
+    model, not for a traced stage (kiln.parallel.pipelining.sequence_stages); they keep plain tensor
+    parallelism there."""
+    found = _first_huggingface(model)
+    model_type = getattr(found[1].config, "model_type", None) if found is not None else None
+    if model_type in MOE_SEQUENCE_PARALLEL_FAMILIES:
+        return f"its {model_type} MoE blocks' sequence-parallel plan does not run in traced pipeline stages"
+    return None
+
+
+def _mlp_kind(mlp: object) -> str | None:
+    # "dense": Llama's gate/up/down_proj Linears; "moe": a router (gate), fused experts and, optionally,
+    # a shared expert (dense) with a shared_expert_gate Linear; None: neither
+    def linears(module: object, *names: str) -> bool:
+        return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+    if linears(mlp, "gate_proj", "up_proj", "down_proj"):
+        return "dense"
+    experts = getattr(mlp, "experts", None)
+    # transformers' fused experts (kiln.parallel.transforms.fused_experts.is_fused_experts, not imported:
+    # model knowledge imports no strategy): 3-D gate_up_proj and down_proj, no other parameter
+    dims = {n: p.dim() for n, p in experts.named_parameters(recurse=False)} if isinstance(experts, nn.Module) else {}
+    if dims != {"gate_up_proj": 3, "down_proj": 3} or not isinstance(getattr(mlp, "gate", None), nn.Module):
+        return None
+    if hasattr(mlp, "shared_expert") and not (
+        linears(mlp.shared_expert, "gate_proj", "up_proj", "down_proj") and linears(mlp, "shared_expert_gate")
+    ):
+        return None
+    return "moe"
 
 
 def tied_embeddings(model: nn.Module) -> bool:
@@ -152,7 +213,7 @@ def tied_embeddings(model: nn.Module) -> bool:
 
 def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool) -> dict[str, Any] | None:
     """The tensor-parallel plan with sequence parallelism of the first Hugging Face model in
-    ``model`` (a Llama-family causal LM, :data:`SEQUENCE_PARALLEL_FAMILIES`), keyed by module names
+    ``model`` (a Llama-family or MoE causal LM, :data:`SEQUENCE_PARALLEL_FAMILIES`), keyed by module names
     in ``model``, with torch ``ParallelStyle`` objects; None when kiln has none for it
     (:func:`huggingface_sequence_parallel_refusal` says why).
 
@@ -168,6 +229,10 @@ def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool)
       The rotary ``position_embeddings`` (cos, sin) the base model computes from the position ids
       are plain tensors of the whole sequence: ``self_attn`` gets them as they are, and applies
       them to the gathered queries and keys, so they are never sharded.
+    * In the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) each sparse block gathers the sequence
+      and reduce-scatters its output; inside it the router runs whole on every rank and the
+      experts (and Qwen2-MoE's shared expert) are split over their intermediate dimension
+      (:func:`_mlp_plan`). Qwen3-MoE's per-head q_norm/k_norm run on the rank's heads.
     * ``norm`` (the last one) is sequence-sharded; ``lm_head`` gathers the sequence and is split
       column-wise over the vocabulary: with ``loss_parallel`` its logits stay a DTensor sharded
       over the vocabulary (``Shard(-1)``, no rank holds the whole ``tokens x vocab``), for
@@ -229,21 +294,91 @@ def huggingface_sequence_parallel_plan(model: nn.Module, *, loss_parallel: bool)
         f"{layer}.self_attn.v_proj": ColwiseParallel(),
         f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         f"{layer}.post_attention_layernorm": SequenceParallel(),
-        f"{layer}.mlp": PrepareModuleInput(**gather_sequence),
-        f"{layer}.mlp.gate_proj": ColwiseParallel(),
-        f"{layer}.mlp.up_proj": ColwiseParallel(),
-        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        f"{prefix}.norm": SequenceParallel(),
-        head: (
-            PrepareModuleInput(**{**gather_sequence, "use_local_output": True})  # a plain Linear takes it
-            if tied
-            else ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            )
-        ),
     }
+    if getattr(hf.config, "model_type", None) == "qwen3_moe":
+        # Qwen3's q_norm/k_norm normalise each head of the column-wise q/k outputs (the rank's own
+        # heads, dimension 2 of (batch, sequence, heads, head_dim)): their weights replicated, their
+        # gradients partial sums over the ranks' heads (summed as the norms' are)
+        for norm in ("q_norm", "k_norm"):
+            plan[f"{layer}.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    mlps = [decoder_layer.mlp for decoder_layer in base.layers]
+    if len({_mlp_kind(mlp) for mlp in mlps}) == 1:  # one pattern for every layer's (a pipeline stage's too)
+        plan.update(_mlp_plan(f"{layer}.mlp", mlps[0], gather_sequence))
+    else:  # Qwen-MoE's dense layers among the sparse ones: each layer's own
+        for i, mlp in enumerate(mlps):
+            plan.update(_mlp_plan(f"{prefix}.layers.{i}.mlp", mlp, gather_sequence))
+    plan[f"{prefix}.norm"] = SequenceParallel()
+    plan[head] = (
+        PrepareModuleInput(**{**gather_sequence, "use_local_output": True})  # a plain Linear takes it
+        if tied
+        else ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    )
+    return plan
+
+
+def _mlp_plan(mlp: str, module: nn.Module, gather_sequence: dict[str, Any]) -> dict[str, Any]:
+    """The sequence-parallel styles of one decoder layer's ``mlp`` (named ``mlp`` in ``model``).
+
+    A dense mlp is Llama's: the sequence gathered, gate/up column-wise, down row-wise with its output
+    reduce-scattered to the sequence shards (``Shard(1)``). A MoE block gets the whole sequence as a
+    plain tensor on every rank (``PrepareModuleInputOutput``, an all-gather): transformers' own block
+    forward runs on it, the router (``gate``) replicated on every rank with every token (its top-k,
+    softmax and renormalisation as transformers computes them), the fused experts split over their
+    intermediate dimension (``fused_experts_partial``: each rank's output is its partial sum, a
+    ``Partial()`` DTensor) and, in Qwen2-MoE, the shared expert split likewise (gate/up column-wise,
+    down row-wise with its ``Partial()`` output left unsummed) times its sigmoid gate (a replicated
+    Linear whose output is a ``Replicate()`` DTensor, so DTensor sums its gradient, a partial sum of
+    the ranks' shared-expert parts). The block's output, the experts' and the shared expert's partial
+    sums added, is reduce-scattered to the sequence shards (``Partial()`` to ``Shard(1)``) where plain
+    tensor parallelism all-reduces it.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+    )
+
+    if _mlp_kind(module) == "dense":
+        return {
+            mlp: PrepareModuleInput(**gather_sequence),
+            f"{mlp}.gate_proj": ColwiseParallel(),
+            f"{mlp}.up_proj": ColwiseParallel(),
+            f"{mlp}.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        }
+    plan: dict[str, Any] = {
+        mlp: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,  # transformers' router and its reshapes take a plain tensor
+            output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
+        ),
+        f"{mlp}.experts": "fused_experts_partial",
+    }
+    if hasattr(module, "shared_expert"):
+        shared = f"{mlp}.shared_expert"
+        plan.update(
+            {
+                # one DTensor into gate and up: their partial input gradients summed in one all-reduce
+                shared: PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+                ),
+                f"{shared}.gate_proj": ColwiseParallel(),
+                f"{shared}.up_proj": ColwiseParallel(),
+                f"{shared}.down_proj": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+                f"{mlp}.shared_expert_gate": PrepareModuleOutput(
+                    output_layouts=(Replicate(),), desired_output_layouts=(Replicate(),), use_local_output=False
+                ),
+            }
+        )
     return plan
 
 

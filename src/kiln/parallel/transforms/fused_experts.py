@@ -19,6 +19,12 @@ projection of every expert stacked (the gate's rows first), and ``down_proj``
   layer's input does.
 
 The router stays whole on every rank. The intermediate size must divide by the tensor-parallel size.
+
+``FusedExpertsParallel(partial_output=True)`` (style ``"fused_experts_partial"``) leaves the outputs
+unsummed: each rank's partial sum comes back as a ``Partial()`` DTensor, for a caller that sums it
+itself (sequence parallelism's MoE block reduce-scatters it to the sequence shards,
+:func:`kiln.models.tp_plan.huggingface_sequence_parallel_plan`). Its gradient is the whole one
+on every rank, as a sum's is.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ def is_fused_experts(module: nn.Module) -> bool:
     )
 
 
-def FusedExpertsParallel() -> Any:  # noqa: N802  # a style, named as torch's are
-    """The ``ParallelStyle`` of fused experts (see the module docstring). (Its class is made on first
-    use: importing this module imports no tensor-parallel code.)"""
-    return _style_class()()
+def FusedExpertsParallel(*, partial_output: bool = False) -> Any:  # noqa: N802  # a style, named as torch's are
+    """The ``ParallelStyle`` of fused experts (see the module docstring): the outputs all-reduced, or
+    with ``partial_output`` each rank's partial sum as a ``Partial()`` DTensor. (Its class is made on
+    first use: importing this module imports no tensor-parallel code.)"""
+    return _style_class()(partial_output=partial_output)
 
 
 class _LocalView:
@@ -67,6 +74,10 @@ def _style_class() -> type:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     class _FusedExpertsParallel(ParallelStyle):
+        def __init__(self, *, partial_output: bool) -> None:
+            super().__init__()
+            self.partial_output = partial_output
+
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             if not is_fused_experts(module):
                 raise ValueError(
@@ -102,6 +113,8 @@ def _style_class() -> type:
                 kwargs = {k: summed_in_backward(v) for k, v in kwargs.items()}
                 out = forward(_LocalView(module, local), *args, **kwargs)
                 summed = DTensor.from_local(out, device_mesh, (Partial(),), run_check=False)
+                if self.partial_output:  # the caller sums it (its backward hands every rank the whole gradient)
+                    return summed
                 return summed.redistribute(placements=(Replicate(),)).to_local()
 
             module.forward = local_forward  # an instance attribute: this module only

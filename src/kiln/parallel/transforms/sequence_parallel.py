@@ -2,7 +2,8 @@
 plan it applies (:class:`kiln.parallel.TensorParallel` and :class:`kiln.parallel.Hybrid` take them).
 
 With ``tp > 1`` and no plan of the user's, kiln uses the model's sequence-parallel plan when it has
-one (a Llama-family Hugging Face causal LM: :func:`kiln.models.tp_plan.huggingface_sequence_parallel_plan`;
+one (a Llama-family or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) Hugging Face causal LM:
+:func:`kiln.models.tp_plan.huggingface_sequence_parallel_plan`;
 a kiln model with a ``sequence_parallel_plan(loss_parallel=...)`` method, such as
 :class:`kiln.models.MoELlama`):
 
@@ -19,7 +20,8 @@ a kiln model with a ``sequence_parallel_plan(loss_parallel=...)`` method, such a
 
 ``None`` (the default) is "on where kiln has a plan": tp > 1, no plan given, no context
 parallelism, and a model kiln has a plan for; under a pipeline, sequence parallelism runs inside
-each stage and loss parallelism is off. ``True`` asks for it and is refused in one
+each stage (except for the MoE families, which keep plain tensor parallelism there) and loss
+parallelism is off. ``True`` asks for it and is refused in one
 line where it cannot run; ``False`` turns it off (the plain tensor-parallel plan, bit for bit).
 """
 
@@ -97,6 +99,7 @@ def sequence_parallel_plan(
             )
         return None
     from kiln.models.tp_plan import (
+        huggingface_pipeline_sequence_parallel_refusal,
         huggingface_sequence_parallel_plan,
         huggingface_sequence_parallel_refusal,
         is_huggingface_module,
@@ -104,7 +107,11 @@ def sequence_parallel_plan(
     )
 
     builder = getattr(model, "sequence_parallel_plan", None)
-    if callable(builder):  # a kiln model (HuggingFaceModel, MoELlama) that brings its own
+    # a MoE family keeps plain tensor parallelism in pipeline stages
+    why = huggingface_pipeline_sequence_parallel_refusal(model) if pipeline is not None else None
+    if why is not None:
+        pass
+    elif callable(builder):  # a kiln model (HuggingFaceModel, MoELlama) that brings its own
         reason = getattr(model, "sequence_parallel_refusal", None)
         why = reason() if callable(reason) else None
         if why is None:

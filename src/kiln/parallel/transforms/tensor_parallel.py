@@ -30,7 +30,15 @@ __all__ = [
     "check_tp_size",
 ]
 
-_STYLE_NAMES = ("colwise", "rowwise", "sequence", "colwise_rep", "rowwise_rep", "fused_experts")
+_STYLE_NAMES = (
+    "colwise",
+    "rowwise",
+    "sequence",
+    "colwise_rep",
+    "rowwise_rep",
+    "fused_experts",
+    "fused_experts_partial",
+)
 # Hugging Face's tp_plan spellings that mean the same thing
 _ALIASES = {"sequence_parallel": "sequence", "local_colwise": "colwise", "local_rowwise": "rowwise"}
 _SPLITTABLE = (nn.Linear, nn.Embedding)
@@ -51,6 +59,8 @@ def _style(name: str) -> Any:
         "rowwise_rep": lambda: RowwiseParallel(output_layouts=Replicate()),
         # transformers' fused MoE experts (kiln.parallel.transforms.fused_experts)
         "fused_experts": FusedExpertsParallel,
+        # the same, each rank's partial sum left a Partial() DTensor (a sequence-parallel MoE block)
+        "fused_experts_partial": lambda: FusedExpertsParallel(partial_output=True),
     }
     return styles[name]()
 
@@ -107,7 +117,7 @@ def resolve_tp_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> dict[st
                 f"tensor-parallel plan[{pattern!r}]={style!r} is not a style; expected one of "
                 f"{', '.join(_STYLE_NAMES)} or a torch ParallelStyle object"
             )
-        if key == "fused_experts":
+        if key in ("fused_experts", "fused_experts_partial"):
             from kiln.parallel.transforms.fused_experts import is_fused_experts
 
             for name in names:
