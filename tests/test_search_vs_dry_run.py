@@ -2,11 +2,15 @@
 
 For a grid of plans of two model families (transformers' Llama, and Qwen2 with its q/k/v biases and
 grouped-query attention, untied and tied), one plan per code path of the closed form, over FSDP, tensor parallelism with sequence and loss parallelism, a 2-stage
-pipeline (with tensor parallelism inside its stages), activation checkpointing on and off, gradient
-accumulation and pipeline microbatches, and a plan without FSDP, the search's per-rank memory
-(parameters, gradients, optimizer state, activations, total against the dry run's peak) and every
-collective's bytes, by kind and mesh dimension, are within 10% of what the dry run measures on the
-plan's largest rank (kiln.planning.search_memory's closed form; the tables: docs/planning.md).
+pipeline (with tensor parallelism inside its stages; 1F1B, and interleaved 1F1B with 2 stages a
+rank), activation checkpointing on and off, gradient accumulation and pipeline microbatches, and a
+plan without FSDP, the search's per-rank memory (parameters, gradients, optimizer state,
+activations, total against the dry run's peak) is within 10% of what the dry run measures on the
+plan's largest rank, and every collective's bytes, by kind and mesh dimension, within 1% (all are
+equal but Qwen2's FSDP gathers, 0.2% over) (kiln.planning.search_memory's and search_collectives'
+closed forms; the tables: docs/planning.md). Broken on purpose: the interleaved plan's sends
+counted as 1F1B's (p2p 131,072 B against 393,216) and its stage boundaries' sequence gathers left
+out (all-gathers 8% under) each fail it.
 Where an estimate is wrong, kiln plan --search --confirm ranks by the dry run instead: tested below.
 """
 
@@ -33,16 +37,19 @@ if str(ROOT / "examples") not in sys.path:
 pytest.importorskip("transformers")
 
 LAYERS, HIDDEN, INTER, VOCAB, SEQ = 2, 64, 128, 512, 256  # activations outweigh the parameters
-TOLERANCE = 0.10
+TOLERANCE = 0.10  # memory
+COLLECTIVE_TOLERANCE = 0.01
 
 
 def run(family: str) -> dict:
     """A tiny run file of ``family`` (amp_bf16 over fp32 parameters, AdamW), for the search's overrides;
     ``qwen2-tied`` is Qwen2 with its embedding and head one weight (``tie_word_embeddings``)."""
+    deep = family.endswith("-deep")  # twice the layers: 2 per stage of an interleaved pipeline of 2 ranks
+    family = family.removesuffix("-deep")
     family, tied = family.removesuffix("-tied"), family.endswith("-tied")
     model = dict(model_type=family, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
-                 num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4 if family == "llama" else 2,
-                 tie_word_embeddings=tied)  # fmt: skip
+                 num_hidden_layers=LAYERS * (2 if deep else 1), num_attention_heads=4,
+                 num_key_value_heads=4 if family == "llama" else 2, tie_word_embeddings=tied)  # fmt: skip
     return {
         "compute_config": {"dp_shard": -1},
         "micro_batch_size": 1,
@@ -102,27 +109,30 @@ GRID = [
     # holds its own copy of the head (torch's split copies a weight two stages use)
     ("qwen2-tied", 8, 4, 2, 1, "full", 1, 2),
     ("qwen2-tied", 8, 4, 1, 2, None, 1, 2),
+    # interleaved 1F1B: 2 stages of 1 layer a rank, sequence parallel inside, checkpointed
+    ("llama-deep", 8, 2, 2, 2, "full", 1, 2, "interleaved1f1b"),
 ]
+GRID = [g if len(g) == 9 else (*g, "1f1b") for g in GRID]  # the pipeline schedule (1F1B unless named)
 
 
-def _close(estimated: int, measured: int) -> bool:
-    return abs(estimated - measured) <= TOLERANCE * measured
+def _close(estimated: int, measured: int, tolerance: float = TOLERANCE) -> bool:
+    return abs(estimated - measured) <= tolerance * measured
 
 
 @pytest.mark.parametrize(
-    "family, world, dp, tp, pp, ac, mbs, m",
+    "family, world, dp, tp, pp, ac, mbs, m, schedule",
     GRID,
-    ids=[f"{g[0]}-{g[2]}x{g[3]}x{g[4]}-{g[5]}-{g[6]}x{g[7]}" for g in GRID],
+    ids=[f"{g[0]}-{g[2]}x{g[3]}x{g[4]}-{g[5]}-{g[6]}x{g[7]}" + ("" if g[8] == "1f1b" else f"-{g[8]}") for g in GRID],
 )
-def test_the_search_prices_what_the_dry_run_measures(family, world, dp, tp, pp, ac, mbs, m):
+def test_the_search_prices_what_the_dry_run_measures(family, world, dp, tp, pp, ac, mbs, m, schedule):
     shape = shape_of(family)
     assert shape.sequence_parallel and shape.tied == family.endswith("-tied")
     result = search(shape, world, device_class("h100"), budget=None, global_batch=mbs * m * dp, seq_len=SEQ)
     (plan,) = [
         p
         for p in result.plans
-        if (p.dp_shard, p.tp, p.pp, p.activation_checkpointing, p.micro_batch_size, p.microbatches)
-        == (dp, tp, pp, ac, mbs, m)
+        if (p.dp_shard, p.tp, p.pp, p.activation_checkpointing, p.micro_batch_size, p.microbatches, p.schedule)
+        == (dp, tp, pp, ac, mbs, m, schedule)
     ]
     report = dry_run(load_trainer_args(run(family), plan.overrides(), world_size=world), world)
     assert report.mesh["pp"] == pp and report.mesh["dp_shard"] == dp and report.mesh["tp"] == tp
@@ -141,7 +151,8 @@ def test_the_search_prices_what_the_dry_run_measures(family, world, dp, tp, pp, 
     assert priced == {(k, d) for k, dims in largest.collectives.items() for d in dims}, plan.label
     for kind, dims in plan.collectives.items():
         for dim, estimated in dims.items():
-            assert _close(estimated, largest.collectives[kind][dim]), (plan.label, kind, dim, estimated, largest.calls)
+            measured = largest.collectives[kind][dim]
+            assert _close(estimated, measured, COLLECTIVE_TOLERANCE), (plan.label, kind, dim, estimated, measured)
 
 
 def test_confirm_ranks_by_the_dry_run_where_an_estimate_is_wrong():

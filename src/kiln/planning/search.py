@@ -4,7 +4,8 @@ transformer on a world of devices, the infeasible ones dropped, the rest ranked 
 The plans are what kiln's ``hybrid`` strategy runs on the mesh ``(pp, dp_shard, tp)``, outermost
 first: tensor parallelism with the model's own plan (a Hugging Face model's ``base_model_tp_plan``:
 attention and MLP Linears split, embeddings and LM head whole), FSDP2 over ``dp_shard``, a pipeline
-of ``pp`` stages (1F1B) cut at block boundaries. Everything is analytic (a plan costs microseconds
+of ``pp`` stages (1F1B), or of ``2 x pp`` stages, 2 a rank (interleaved 1F1B), cut at block
+boundaries. Everything is analytic (a plan costs microseconds
 to price); ``kiln plan --dry-run`` of a plan's overrides runs the real code, and ``kiln plan
 --search --confirm`` dry-runs the first plans and ranks them by what it measures
 (:mod:`kiln.planning.confirm`).
@@ -65,6 +66,17 @@ def _split_points(shape: ModelShape, pp: int) -> list[str]:
     # the first len % pp stages take one block more: the largest has ceil(len / pp), as priced
     per, extra = divmod(len(shape.blocks), pp)
     return [shape.blocks[i * per + min(i, extra)] for i in range(1, pp)]
+
+
+def _schedules(shape: ModelShape, pp: int, m: int) -> tuple[str, ...]:
+    # a pipeline runs 1F1B (a stage a rank), and interleaved 1F1B (2 stages a rank: half the
+    # bubble, twice the sends) where the model has 2 layers a stage for it, cuts into that many
+    # stages, and its microbatches come in whole rounds of the pp ranks
+    if pp == 1:
+        return ("1f1b",)
+    if shape.num_layers >= 2 * pp and shape.deep_pipeline and m >= pp and m % pp == 0:
+        return ("1f1b", "interleaved1f1b")
+    return ("1f1b",)
 
 
 def search(
@@ -129,18 +141,28 @@ def search(
             for mbs in _divisors(local):
                 m = local // mbs
                 for ac in (None, "full"):
-                    searched += 1
-                    if pp > 1 and m < pp:
-                        drop("fewer pipeline microbatches than stages")
-                        continue
-                    plan = SearchPlan(dp, tp, pp, ac, mbs, m, split_points=_split_points(shape, pp))
-                    price_plan(
-                        shape, plan, device, world_size, global_batch, seq_len, precision, optimizer_factor, per_node
-                    )
-                    if limit is not None and plan.memory["total"] > limit:
-                        drop("memory over the budget")
-                        continue
-                    plans.append(plan)
+                    for schedule in _schedules(shape, pp, m):
+                        searched += 1
+                        if pp > 1 and m < pp:
+                            drop("fewer pipeline microbatches than stages")
+                            continue
+                        stages = pp * (2 if schedule == "interleaved1f1b" else 1)
+                        plan = SearchPlan(dp, tp, pp, ac, mbs, m, schedule, split_points=_split_points(shape, stages))
+                        price_plan(
+                            shape,
+                            plan,
+                            device,
+                            world_size,
+                            global_batch,
+                            seq_len,
+                            precision,
+                            optimizer_factor,
+                            per_node,
+                        )
+                        if limit is not None and plan.memory["total"] > limit:
+                            drop("memory over the budget")
+                            continue
+                        plans.append(plan)
     rank(plans)
     return SearchResult(
         plans, infeasible, searched, device, world_size, limit, global_batch, seq_len, precision, shape, per_node

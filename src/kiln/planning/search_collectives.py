@@ -23,6 +23,9 @@ bytes, ``a`` the residual stream's (``cb`` under FSDP, fp32 under amp without it
   pipeline stage without FSDP (traced in fp32; with FSDP a stage is traced in ``cb``).
 * A pipeline sends each microbatch's activations in ``a`` and receives their gradients, and broadcasts
   the loss; with tied embeddings its first and last stage all-reduce the tied weight's gradient.
+  Interleaved (2 stages a rank) a rank does so for each of its stages, and under sequence
+  parallelism each stage boundary of its other stage gathers twice more (its output before the
+  send, its input's gradient).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def plan_collectives(
     microbatches: int,
     seq_len: int,
     precision: str,
+    stages_per_rank: int = 1,
 ) -> dict[str, dict[str, int]]:
     """Bytes per step of each collective of a plan of ``shape`` on its largest stage, ``{kind:
     {mesh dimension: bytes}}`` (the module docstring's terms)."""
@@ -85,7 +89,9 @@ def plan_collectives(
             # the last stage (it holds the loss): its input, cut to the rank's sequence shard, gathers
             # its gradient; the head gathers the sequence and, split over the vocabulary, its input's
             # gradient reduce-scatters and its logits are gathered whole (t x V, no loss parallelism)
-            ag_extra, rs_extra = cb + a, (a if split else 0)
+            # interleaved, the rank's other v - 1 stages' boundaries gather too: their output before the
+            # send and their input's gradient
+            ag_extra, rs_extra = cb + a + 2 * (stages_per_rank - 1) * a, (a if split else 0)
             logits = t * shape.vocab * cb if split else 0
         ag = ((layers * ag_layer + ag_extra) * per_token + logits) * m
         rs = (layers * rs_layer + rs_extra) * m * per_token
@@ -108,7 +114,10 @@ def plan_collectives(
         # each microbatch's activations sent forward and their gradients back, in the trace's dtype
         # (the residual stream's: the compute dtype under FSDP, else fp32 under amp), once per
         # neighbour; and the loss broadcast (one fp32 scalar)
-        p2p = (2 if pp == 2 else 4) * m * t * shape.hidden * a
+        # (a rank of an interleaved pipeline sends and receives for each of its v stages: the first
+        # and last ranks 4v - 2 a microbatch, the others 4v)
+        v = stages_per_rank
+        p2p = (4 * v - 2 if pp == 2 else 4 * v) * m * t * shape.hidden * a
         collectives["p2p"] = {"pp": p2p}
         collectives["broadcast"] = {"pp": 4}
         if shape.tied:

@@ -10,7 +10,8 @@ collectives (:mod:`kiln.planning.search_collectives`) and the seconds of one opt
   (inside a node when the dimension's group fits in ``devices_per_node``, else the network), as a
   ring moves them: all-gather, reduce-scatter and broadcast ``(n-1)/n x bytes``, all-reduce twice
   that, point-to-point the bytes. Nothing is overlapped;
-* bubble: ``(pp - 1) / microbatches`` of the compute (1F1B).
+* bubble: ``(pp - 1) / microbatches`` of the compute (1F1B), ``(pp - 1) / (2 x microbatches)``
+  interleaved (2 stages a rank: each idle slot is half a rank's layers).
 
 :func:`price_communication` prices a plan's step again once a dry run replaced its collectives
 (:mod:`kiln.planning.confirm`).
@@ -44,7 +45,7 @@ def price_plan(
     devices_per_node: int,
 ) -> None:
     """Fill ``plan``'s memory, activation moments, collectives, seconds and tokens per second."""
-    dp, tp, pp, m = plan.dp_shard, plan.tp, plan.pp, plan.microbatches
+    dp, tp, pp, m, v = plan.dp_shard, plan.tp, plan.pp, plan.microbatches, plan.stages_per_rank
     ckpt = plan.activation_checkpointing is not None
     mbs = plan.micro_batch_size
     memory = plan_memory(
@@ -58,6 +59,7 @@ def price_plan(
         seq_len=seq_len,
         precision=precision,
         optimizer_factor=optimizer_factor,
+        stages_per_rank=v,
     )
     plan.memory = {
         "params": memory.params,
@@ -77,6 +79,7 @@ def price_plan(
         microbatches=m,
         seq_len=seq_len,
         precision=precision,
+        stages_per_rank=v,
     )
 
     # compute: FLOPs of the stage on this rank's tokens
@@ -89,7 +92,8 @@ def price_plan(
     fwd_per_token += 2 * shape.vocab * shape.hidden // (tp if shape.vocab_split_at(tp, pp) else 1)
     flops = (3 + (1 if ckpt else 0)) * fwd_per_token * tokens
     compute = flops / (device.bf16_flops * COMPUTE_EFFICIENCY)
-    bubble = compute * (pp - 1) / m if pp > 1 else 0.0
+    # 1F1B idles (pp - 1) of a rank's m stage-steps; interleaved, each of them is a stage of 1/v
+    bubble = compute * (pp - 1) / (m * v) if pp > 1 else 0.0
     plan.seconds = {"compute": compute, "bubble": bubble}
     _price_communication(plan, device, devices_per_node, global_batch * seq_len / world_size)
 

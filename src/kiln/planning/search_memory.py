@@ -45,7 +45,9 @@ Each moment also holds the rotary tables, the boolean mask when checkpointed, an
 ``microbatches > 1``, the unsharded fp32 gradients kept between microbatches, ``S x 4`` (a
 vocabulary-split embedding's over the whole vocabulary). A pipeline stage keeps its blocks gathered
 across its microbatches (``S c``, Hybrid's default under pp); its first stage holds ``min(pp,
-microbatches)`` microbatches of blocks, its last one and the loss, ``t V (12 + c)`` under amp with
+microbatches)`` microbatches of blocks, its last one and the loss (interleaved, 2 stages of ``L / 2``
+blocks a rank: the first rank ``min(2m, 3pp - 1)`` stage-microbatches, the last ``min(2m, pp + 1)``,
+torch's warm-up), ``t V (12 + c)`` under amp with
 FSDP (the stage's bf16 logits, in the dtype it was traced in), ``t V (12 + 4)`` without it (the
 logits cast back to the traced fp32 for the loss).
 
@@ -103,9 +105,15 @@ class PlanMemory:
     optimizer: int
     activations: int
     moments: dict[str, int] = field(default_factory=dict)
+    pipeline: bool = False
 
     @property
     def total(self) -> int:
+        # a pipeline's activations peak in its forwards (the first stage's warm-up, the last stage's
+        # loss), before the step's gradients exist (FSDP makes the sharded ones in the last
+        # backward, when the activations are gone): the larger of the two, not their sum
+        if self.pipeline:
+            return self.params + self.optimizer + max(self.activations, self.grads)
         return self.params + self.grads + self.optimizer + self.activations
 
 
@@ -136,8 +144,10 @@ def plan_memory(
     seq_len: int,
     precision: str,
     optimizer_factor: int,
+    stages_per_rank: int = 1,
 ) -> PlanMemory:
-    """The closed form of the module docstring for a plan of ``shape``."""
+    """The closed form of the module docstring for a plan of ``shape`` (``stages_per_rank`` 2:
+    interleaved 1F1B)."""
     pb, gb, cb, _ = precision_bytes(precision)
     amp = precision.startswith("amp")
     sp, lp = shape.sequence_parallel_at(tp, pp), shape.loss_parallel_at(tp, pp)
@@ -194,10 +204,19 @@ def plan_memory(
         # dtype: FSDP's compute dtype, else cast back to fp32), the log-softmax, its input's and its
         # output's gradients
         gathered = stage * cb if fsdp else 0
-        inflight = min(pp, m)
         loss = t * V * (12 + ((cb if fsdp else _F32) if amp else 0))
-        moments["first_stage"] = inflight * layers * kept + (full if checkpointing else 0) + gathered + common
-        moments["loss"] = layers * kept + final_norm + loss + gathered + common
+        # the stage-microbatches whose activations a rank holds at its first backward: 1F1B's
+        # min(pp, m) on the first rank, 1 on the last; interleaved (v stages of L / v layers a rank),
+        # torch's warm-up of (v - 1) rounds of pp and 2 more per rank from the last, then one forward
+        v = stages_per_rank
+        chunk = math.ceil(shape.num_layers / (pp * v))
+        if v == 1:
+            first_chunks, last_chunks = min(pp, m), 1
+        else:
+            first_chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+            last_chunks = min(m * v, (v - 1) * pp + 1)
+        moments["first_stage"] = first_chunks * chunk * kept + (full if checkpointing else 0) + gathered + common
+        moments["loss"] = last_chunks * chunk * kept + final_norm + loss + gathered + common
     else:
         if lp:
             # the vocabulary shard's bf16 logits (held by the loss's graph), its log-softmax and gradient
@@ -218,4 +237,4 @@ def plan_memory(
             # gradients, the first block's fp32 gradient buffer
             moments["embedding_backward"] = V * h * cb + 2 * root + block * _F32 + common
     activations = max(moments.values())
-    return PlanMemory(params, grads, optimizer, activations, moments)
+    return PlanMemory(params, grads, optimizer, activations, moments, pipeline=pp > 1)

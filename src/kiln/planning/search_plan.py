@@ -24,6 +24,7 @@ class SearchPlan:
     activation_checkpointing: str | None
     micro_batch_size: int  # sequences per forward (a pipeline microbatch)
     microbatches: int  # per step and rank: accumulation steps, or the pipeline's microbatches
+    schedule: str = "1f1b"  # a pipeline's: "1f1b" (a stage a rank) or "interleaved1f1b" (2 a rank)
     memory: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -35,16 +36,23 @@ class SearchPlan:
     estimated: dict[str, int] | None = None  # the closed form's memory, once measured replaced it
 
     @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule == "interleaved1f1b" else 1
+
+    @property
     def label(self) -> str:
         ac = "ckpt" if self.activation_checkpointing else "-"
-        return f"{self.dp_shard}x{self.tp}x{self.pp} {ac} mb{self.micro_batch_size}x{self.microbatches}"
+        interleaved = " interleaved" if self.stages_per_rank > 1 else ""
+        return f"{self.dp_shard}x{self.tp}x{self.pp}{interleaved} {ac} mb{self.micro_batch_size}x{self.microbatches}"
 
     def overrides(self) -> list[str]:
         """The dotted overrides of a run file for this plan (for ``kiln plan --dry-run`` or ``kiln train``)."""
         out = ["--compute_config.dp_shard", str(self.dp_shard), "--compute_config.tp", str(self.tp)]
         out += ["--compute_config.pp", str(self.pp)]
         if self.pp > 1:
-            options = {"split_points": self.split_points, "microbatches": self.microbatches}
+            options: dict[str, Any] = {"split_points": self.split_points, "microbatches": self.microbatches}
+            if self.schedule != "1f1b":
+                options["schedule"] = self.schedule
             out += ["--compute_config.strategy_options", repr(options)]
             out += ["--micro_batch_size", str(self.micro_batch_size * self.microbatches)]
             out += ["--grad_accumulation_steps", "1"]
@@ -62,6 +70,7 @@ class SearchPlan:
             "activation_checkpointing": self.activation_checkpointing,
             "micro_batch_size": self.micro_batch_size,
             "microbatches": self.microbatches,
+            "schedule": self.schedule,
             "memory": dict(self.memory),
             "collectives": {k: dict(v) for k, v in self.collectives.items()},
             "seconds": dict(self.seconds),

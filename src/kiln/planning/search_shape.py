@@ -40,6 +40,7 @@ class ModelShape:
     deep_pipeline: bool = True  # any number of pipeline stages (a Hugging Face decoder kiln cuts: hf_stages)
     blocks: tuple[str, ...] = ()  # module names of the blocks (pipeline split points)
     sequence_parallel: bool = False  # kiln has a sequence-parallel plan for it (tp > 1 uses it)
+    sequence_parallel_stages: bool = True  # ... and runs it inside pipeline stages (not a MoE family's)
 
     @property
     def layer_split_params(self) -> int:
@@ -57,8 +58,9 @@ class ModelShape:
 
     def sequence_parallel_at(self, tp: int, pp: int) -> bool:
         """Whether a plan of ``tp`` x ``pp`` runs sequence parallelism: with ``tp > 1`` where kiln has
-        the model's plan, inside each pipeline stage under ``pp > 1`` (Hybrid's default)."""
-        return self.sequence_parallel and tp > 1
+        the model's plan, inside each pipeline stage under ``pp > 1`` (Hybrid's default) where the plan
+        runs there (a MoE family's keeps plain tensor parallelism in the stages)."""
+        return self.sequence_parallel and tp > 1 and (pp == 1 or self.sequence_parallel_stages)
 
     def vocab_split_at(self, tp: int, pp: int) -> bool:
         """Whether a plan of ``tp`` x ``pp`` splits the embedding and the head over the vocabulary:
@@ -110,6 +112,7 @@ class ModelShape:
             deep_pipeline=_cuts_into_any_stages(config),
             blocks=blocks,
             sequence_parallel=_has_sequence_parallel_plan(model),
+            sequence_parallel_stages=_sequence_parallel_in_stages(model),
         )
 
 
@@ -129,3 +132,9 @@ def _has_sequence_parallel_plan(model: nn.Module) -> bool:
     from kiln.models.tp_plan import huggingface_sequence_parallel_refusal
 
     return huggingface_sequence_parallel_refusal(model) is None
+
+
+def _sequence_parallel_in_stages(model: nn.Module) -> bool:
+    from kiln.models.tp_plan import huggingface_pipeline_sequence_parallel_refusal
+
+    return huggingface_pipeline_sequence_parallel_refusal(model) is None

@@ -60,7 +60,9 @@ def format_plans(result: SearchResult, top: int = 10, run_file: str | None = Non
     for i, p in enumerate(result.plans[:top]):
         rows.append(
             (
-                ("* " if i == 0 else "  ") + f"{p.dp_shard} x {p.tp} x {p.pp}",
+                ("* " if i == 0 else "  ")
+                + f"{p.dp_shard} x {p.tp} x {p.pp}"
+                + (" i" if p.stages_per_rank > 1 else ""),
                 "full" if p.activation_checkpointing else "-",
                 f"{p.micro_batch_size} x {p.microbatches}",
                 _gib(p.memory["total"]),

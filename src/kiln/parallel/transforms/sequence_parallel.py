@@ -110,7 +110,7 @@ def sequence_parallel_plan(
     # a MoE family keeps plain tensor parallelism in pipeline stages
     why = huggingface_pipeline_sequence_parallel_refusal(model) if pipeline is not None else None
     if why is not None:
-        pass
+        pass  # refused below when asked
     elif callable(builder):  # a kiln model (HuggingFaceModel, MoELlama) that brings its own
         reason = getattr(model, "sequence_parallel_refusal", None)
         why = reason() if callable(reason) else None
