@@ -89,6 +89,10 @@ def test_the_measured_step_is_the_steady_one(schedule, rank):
     row = dry_run(args, world, ranks=[rank], workers=1).to_dict()["ranks"][0]
     old = _second_step_report(args, world, rank)
     assert row == old, (schedule, row, old)
+    if schedule == "1f1b":
+        # the stages, traced in FSDP's bf16 (tests/test_pipeline_compute_dtype.py), send each of the 4
+        # microbatches' 16 x 32 hidden states and receive their gradient in bf16 (16,384 B in fp32)
+        assert row["collectives"]["p2p"] == {"pp": 4 * 2 * 16 * 32 * 2}
     assert sum(row["collectives"]["p2p"].values()) > 0  # the stages did send to each other
 
 
