@@ -321,17 +321,6 @@ def _put_back(split: nn.Module, originals: Mapping[int, torch.Tensor], model: nn
             table[name] = original
 
 
-def _to_dtype(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` (tensors in tuples, lists and dicts) with its floating-point tensors in ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_dtype(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_dtype(v, dtype) for k, v in value.items()}
-    return value
-
-
 def _non_persistent_buffers(model: nn.Module) -> set[str]:
     """The names of ``model``'s buffers that its state dict leaves out (rotary frequencies, ...)."""
     return {
@@ -443,6 +432,7 @@ class PipelineRuntime:
         """Trace the model on the first microbatch of ``args``/``kwargs`` and keep this rank's stages."""
         from torch.distributed.pipelining import SplitPoint, pipeline
         from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+        from torch.utils._pytree import tree_map_only
 
         args = self._stage_inputs(args)
         mb_args, mb_kwargs = split_args_kwargs_into_chunks(args, kwargs, self.microbatches)
@@ -466,7 +456,11 @@ class PipelineRuntime:
                 trace_dtype = None
             on_fakes = bool(staged) or trace_dtype is not None
             if trace_dtype is not None:  # FSDP casts a stage's floating inputs the same way
-                mb_args[0], mb_kwargs[0] = _to_dtype((mb_args[0], mb_kwargs[0]), trace_dtype)
+                mb_args[0], mb_kwargs[0] = tree_map_only(
+                    torch.Tensor,
+                    lambda t: t.to(trace_dtype) if t.is_floating_point() else t,
+                    (mb_args[0], mb_kwargs[0]),
+                )
             with _on_fake_tensors(self.model, self.device, trace_dtype) if on_fakes else nullcontext() as originals:
                 pipe = pipeline(
                     self.model,
