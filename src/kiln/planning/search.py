@@ -72,9 +72,7 @@ def _schedules(shape: ModelShape, pp: int, m: int) -> tuple[str, ...]:
     # a pipeline runs 1F1B (a stage a rank), and interleaved 1F1B (2 stages a rank: half the
     # bubble, twice the sends) where the model has 2 layers a stage for it, cuts into that many
     # stages, and its microbatches come in whole rounds of the pp ranks
-    if pp == 1:
-        return ("1f1b",)
-    if shape.num_layers >= 2 * pp and shape.deep_pipeline and m >= pp and m % pp == 0:
+    if pp > 1 and shape.num_layers >= 2 * pp and shape.deep_pipeline and m % pp == 0:
         return ("1f1b", "interleaved1f1b")
     return ("1f1b",)
 
@@ -146,8 +144,8 @@ def search(
                         if pp > 1 and m < pp:
                             drop("fewer pipeline microbatches than stages")
                             continue
-                        stages = pp * (2 if schedule == "interleaved1f1b" else 1)
-                        plan = SearchPlan(dp, tp, pp, ac, mbs, m, schedule, split_points=_split_points(shape, stages))
+                        plan = SearchPlan(dp, tp, pp, ac, mbs, m, schedule)
+                        plan.split_points = _split_points(shape, pp * plan.stages_per_rank)
                         price_plan(
                             shape,
                             plan,
