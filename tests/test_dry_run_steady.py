@@ -16,6 +16,7 @@ receive buffers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -97,22 +98,42 @@ def test_the_measured_step_is_the_steady_one(schedule, rank):
 
 
 def test_ranks_measured_in_workers_report_what_one_process_reports(tmp_path, monkeypatch):
+    # Side by side, rank 0 runs in this process up to the cut into stages (one trace, one cut, kept),
+    # and each of the 3 ranks is then measured in a fresh fork over the kept cut. Every number equals
+    # the ranks' measured one after another in this process (each cutting the model itself).
     args, world = _args("1f1b", {"pp": 2, "dp_shard": 2})
-    ranks = [0, 1, 2]  # after rank 0 (which traces), two for two workers
+    ranks = [0, 1, 2]
     alone = dry_run(args, world, ranks=ranks, workers=1).to_dict()
     where = tmp_path / "pids"
     measure = dry_run_module.dry_run_rank
+    made = []
 
-    def logged(args, world_size, rank, microbatch):  # which process measured each rank
-        with open(where, "a") as f:
-            f.write(f"{rank} {os.getpid()}\n")
-        return measure(args, world_size, rank, microbatch)
+    def logged(args, world_size, rank, microbatch):  # which process measured each rank, and how it cut
+        out = measure(args, world_size, rank, microbatch)
+        counts = one_trace_of_the_run[-1].counts
+        with open(where, "a") as f:  # one write: the workers append to one file
+            f.write(f"{rank} {os.getpid()} {counts['cut']} {counts['cut_shared']}\n")
+        return out
+
+    one_trace_of_the_run: list = []
+    one_trace = dry_run_module.one_trace
+
+    @contextlib.contextmanager
+    def kept_one_trace():
+        with one_trace() as traces:
+            one_trace_of_the_run.append(traces)
+            yield traces
+            made.append(dict(traces.counts))
 
     monkeypatch.setattr(dry_run_module, "dry_run_rank", logged)
+    monkeypatch.setattr(dry_run_module, "one_trace", kept_one_trace)
     forked = dry_run(args, world, ranks=ranks, workers=2).to_dict()
-    pids = dict(map(int, line.split()) for line in where.read_text().splitlines())
-    assert sorted(pids) == ranks and pids[0] == os.getpid()
-    assert os.getpid() not in [pids[r] for r in ranks[1:]]  # each measured in a worker, each a fresh fork
-    assert len({pids[r] for r in ranks[1:]}) == 2
+    rows = [tuple(map(int, line.split())) for line in where.read_text().splitlines()]
+    pids = {rank: pid for rank, pid, *_ in rows}
+    assert sorted(pids) == ranks and os.getpid() not in pids.values()  # each measured in a worker
+    assert len(set(pids.values())) == 3  # each a fresh fork
+    # here: one trace and one cut (rank 0's, stopped there); in each worker: the kept cut taken
+    assert made == [{"traced": 1, "shared": 0, "cut": 1, "cut_shared": 0}]
+    assert sorted((cut, taken) for _, _, cut, taken in rows) == [(1, 1)] * 3
     assert [r["rank"] for r in forked["ranks"]] == ranks
     assert forked["ranks"] == alone["ranks"]

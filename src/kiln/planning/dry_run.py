@@ -59,8 +59,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from kiln.planning.comm_count import KINDS, CollectiveCounter
-from kiln.planning.rank_workers import default_workers, measure_ranks
-from kiln.planning.shared_trace import one_trace
+from kiln.planning.rank_workers import can_fork, default_workers, measure_ranks
+from kiln.planning.shared_trace import CutOnly, SharedTraces, one_trace
 
 if TYPE_CHECKING:
     from kiln.config.args import TrainerArgs
@@ -422,6 +422,37 @@ def dry_run_rank(args: TrainerArgs, world_size: int, rank: int, microbatch: Any)
         return measure_step(engine, microbatches, mesh_sizes(engine.strategy, world_size), rank), engine, num_parameters
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the report says of the run, the same from every rank (plain values: a worker sends it)."""
+
+    strategy: str
+    precision: str
+    mesh: dict[str, int]
+    num_parameters: int
+
+    @staticmethod
+    def of(engine: Engine, world_size: int, num_parameters: int) -> _Run:
+        return _Run(
+            repr(engine.strategy), engine.precision.name, mesh_sizes(engine.strategy, world_size), num_parameters
+        )
+
+
+def _up_to_the_cut(
+    args: TrainerArgs, world_size: int, rank: int, microbatch: Any, traces: SharedTraces
+) -> tuple[RankReport | None, _Run]:
+    """Rank ``rank``'s dry run (:func:`dry_run_rank`), stopped once a pipeline has cut the model (the
+    cut kept for the ranks measured after: :meth:`SharedTraces.cut_only`; no report then)."""
+    with _engine(args, world_size, rank) as (engine, num_parameters):
+        run = _Run.of(engine, world_size, num_parameters)
+        microbatches = [microbatch] * (args.grad_accumulation_steps or 1)
+        try:
+            with traces.cut_only():
+                return measure_step(engine, microbatches, run.mesh, rank), run
+        except CutOnly:
+            return None, run
+
+
 def dry_run(
     args: TrainerArgs,
     world_size: int,
@@ -438,9 +469,10 @@ def dry_run(
         world_size: the ranks of the run.
         ranks: the ranks to measure.
         microbatch: the batch each rank's step runs (default: :func:`first_microbatch`).
-        workers: processes measuring the ranks after the first at once
-            (:mod:`kiln.planning.rank_workers`; default: one per CPU this process may use; 1: one
-            after another in this process).
+        workers: processes measuring ranks at once (:mod:`kiln.planning.rank_workers`; default:
+            one per CPU this process may use). With more than 1, a pipeline's first rank is run here
+            up to the cut into stages, and every rank is then measured in a worker over that cut; 1:
+            one after another in this process.
 
     Raises:
         ValueError: a configuration error, with the message the real run gives.
@@ -453,36 +485,44 @@ def dry_run(
     start = time.perf_counter()
     if microbatch is None:
         microbatch = first_microbatch(args)
+    workers = default_workers() if workers is None else workers
     todo = list(ranks) if ranks is not None else [0]
     reports: dict[int, RankReport] = {}
-    with one_trace():  # a pipeline's ranks share the first one's trace of the model
-        first = todo.pop(0)
-        reports[first], engine, num_parameters = dry_run_rank(args, world_size, first, microbatch)
+    with one_trace() as traces:  # a pipeline's ranks share the first one's trace and cut of the model
+        first = todo[0]
+        if workers > 1 and can_fork():
+            # Side by side: the first rank runs here up to a pipeline's cut, which every worker
+            # inherits, and all the ranks are measured in the workers. Without a pipeline, the first
+            # rank's whole dry run is here.
+            report, run = _up_to_the_cut(args, world_size, first, microbatch, traces)
+        else:
+            report, engine, num_parameters = dry_run_rank(args, world_size, first, microbatch)
+            run = _Run.of(engine, world_size, num_parameters)
+        if report is not None:
+            reports[todo.pop(0)] = report
         if ranks is None:  # now the mesh is known: the first rank of every other stage
-            sizes = mesh_sizes(engine.strategy, world_size)
-            todo += [stage * world_size // sizes.get("pp", 1) for stage in range(1, sizes.get("pp", 1))]
+            todo += [stage * world_size // run.mesh.get("pp", 1) for stage in range(1, run.mesh.get("pp", 1))]
 
         def measure(rank: int) -> RankReport:
             return dry_run_rank(args, world_size, rank, microbatch)[0]
 
-        reports.update(measure_ranks(measure, todo, default_workers() if workers is None else workers))
+        reports.update(measure_ranks(measure, todo, workers))
     notes = []
     if args.compile:
         notes.append(
             "compile is on in the run and skipped here: compiled blocks fuse element-wise ops, so the "
             "real activations may be smaller than measured"
         )
-    sizes = mesh_sizes(engine.strategy, world_size)
     return DryRunReport(
         world_size=world_size,
-        mesh=sizes,
-        strategy=repr(engine.strategy),
-        precision=engine.precision.name,
+        mesh=run.mesh,
+        strategy=run.strategy,
+        precision=run.precision,
         activation_checkpointing=None if args.activation_checkpointing is None else str(args.activation_checkpointing),
         compile="skipped" if args.compile else "off",
         micro_batch_size=args.micro_batch_size,
         grad_accumulation_steps=args.grad_accumulation_steps or 1,
-        num_parameters=num_parameters,
+        num_parameters=run.num_parameters,
         ranks=[reports[r] for r in sorted(reports)],
         seconds=time.perf_counter() - start,
         notes=notes,

@@ -1,21 +1,28 @@
 """Measure a dry run's ranks side by side, one process per CPU.
 
 Each rank of a dry run is measured on its own (its own fake world, model and step) and costs
-seconds to minutes of one CPU (Llama-3-70B's 8 pipeline ranks at 512: about a minute each), while
-a laptop or a login node has several. After the first rank, which traces the model that the others
-share (:mod:`kiln.planning.shared_trace`), the other ranks are measured in processes forked from
-this one: a fork inherits the trace, the run's arguments and the imports, so a worker starts in
-milliseconds, and what it sends back is the rank's report (plain numbers), never a tensor.
+seconds to minutes of one CPU (Llama-3-70B's 8 pipeline ranks at 512: about half a minute each),
+while a laptop or a login node has several. The ranks are measured in processes forked from this
+one, at most ``workers`` at once, each rank in a fresh fork: a fork inherits what this process has
+made for every rank (the model's trace and its cut into stages: :mod:`kiln.planning.shared_trace`),
+the run's arguments and the imports, so a worker starts in milliseconds, and what it sends back is
+the rank's report (plain numbers), never a tensor.
 
 Nothing else in a worker is shared: each builds its rank's fake world, model and Engine as the
-process measuring the ranks one after another would, and a configuration error raised in a
-worker is raised here with its message. ``workers=1`` measures them one after another in this
-process (no fork).
+process measuring the ranks one after another would, and an error raised in a worker (a
+configuration error: its message) is raised here. ``workers=1`` measures them one after another in
+this process (no fork).
+
+The workers are ``multiprocessing`` processes started from this thread, each with a pipe for its
+result (no ``multiprocessing.Pool``, whose threads fork the workers it replaces while others run),
+and each runs ATen on one thread: a fork has none of its parent's OpenMP threads, and the first op
+large enough to use them (an ``arange`` at Llama-3-70B's size) waited for them forever.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -23,10 +30,6 @@ from typing import Any, TypeVar
 __all__ = ["default_workers", "measure_ranks"]
 
 R = TypeVar("R")
-
-# the measuring function of the dry run in progress: set before the fork, so the workers get it
-# by inheritance (a closure over the run's arguments and its first microbatch is not picklable)
-_measure: Callable[[int], Any] | None = None
 
 
 def default_workers() -> int:
@@ -36,24 +39,74 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _in_worker(rank: int) -> Any:
-    assert _measure is not None, "a dry-run worker started without its measuring function"
-    return _measure(rank)
+def can_fork() -> bool:
+    """Whether this platform can fork workers (Linux and macOS; not Windows)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _in_worker(measure: Callable[[int], Any], rank: int, send: Any) -> None:
+    import torch
+
+    # One thread of ATen's own: the OpenMP threads this process's parent may have started are not in
+    # the fork, and the first parallel op (an arange of 70B's size) waited for them forever. The
+    # worker's ops are on fake tensors, or tiny real ones: threads do not speed them up.
+    torch.set_num_threads(1)
+    try:
+        result: tuple[bool, Any] = (True, measure(rank))
+    except BaseException as error:  # noqa: BLE001 - raised again in the parent
+        result = (False, error)
+    try:
+        send.send(result)
+    except Exception as error:  # the result or the error does not pickle
+        send.send((False, RuntimeError(f"the dry run of rank {rank}: {result[1]!r} ({error})")))
+    finally:
+        send.close()
 
 
 def measure_ranks(measure: Callable[[int], R], ranks: Sequence[int], workers: int) -> dict[int, R]:
     """``{rank: measure(rank)}`` for ``ranks``, measured in up to ``workers`` forked processes at once
-    (in this process when ``workers`` is 1, there is one rank, or the platform cannot fork)."""
-    global _measure
+    (in this process when ``workers`` is 1, there is one rank, or the platform cannot fork).
+
+    Raises:
+        the first error a rank's ``measure`` raised; RuntimeError when a worker died without an answer.
+    """
     ranks = list(ranks)
     workers = min(workers, len(ranks))
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers <= 1 or not can_fork():
         return {rank: measure(rank) for rank in ranks}
-    _measure = measure
+    context = multiprocessing.get_context("fork")
+    waiting, results = list(ranks), {}
+    running: dict[Any, tuple[int, Any]] = {}  # the result's end of each worker's pipe: (rank, process)
     try:
-        # maxtasksperchild=1: each rank in a fresh fork of this process, as if it were the next
-        # one measured here (no state of an earlier rank's fake world or Engine carried over)
-        with multiprocessing.get_context("fork").Pool(workers, maxtasksperchild=1) as pool:
-            return dict(zip(ranks, pool.map(_in_worker, ranks, chunksize=1), strict=True))
+        while waiting or running:
+            while waiting and len(running) < workers:
+                rank = waiting.pop(0)
+                receive, send = context.Pipe(duplex=False)
+                # a closure is fine: a fork inherits it, nothing is pickled on the way in
+                process = context.Process(target=_in_worker, args=(measure, rank, send), daemon=True)
+                process.start()
+                send.close()
+                running[receive] = (rank, process)
+            for ready in multiprocessing.connection.wait(list(running)):
+                receive = ready  # type: ignore[assignment]  # wait returns the connections it was given
+                rank, process = running.pop(receive)
+                try:
+                    ok, value = receive.recv()
+                except EOFError:
+                    process.join()
+                    raise RuntimeError(
+                        f"the dry-run worker measuring rank {rank} ended with exit code {process.exitcode} "
+                        "and no report (killed for memory?); run with workers=1 to measure in this process"
+                    ) from None
+                finally:
+                    receive.close()
+                process.join()
+                if not ok:
+                    raise value
+                results[rank] = value
     finally:
-        _measure = None
+        for receive, (_, process) in running.items():
+            process.kill()
+            process.join()
+            receive.close()
+    return {rank: results[rank] for rank in ranks}
