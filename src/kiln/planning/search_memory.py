@@ -43,13 +43,9 @@ they are split over the vocabulary: sequence parallelism, untied):
 
 Each moment also holds the rotary tables, the boolean mask when checkpointed, and, under FSDP with
 ``microbatches > 1``, the unsharded fp32 gradients kept between microbatches, ``S x 4`` (a
-vocabulary-split embedding's over the whole vocabulary, on the stage that holds the embedding). A pipeline stage keeps its blocks gathered
-across its microbatches (``S c``, Hybrid's default under pp); its first stage holds ``min(pp,
-microbatches)`` microbatches of blocks, its last one and the loss (interleaved, 2 stages of ``L / 2``
-blocks a rank: the first rank ``min(2m, 3pp - 1)`` stage-microbatches, the last ``min(2m, pp + 1)``,
-torch's warm-up), ``t V (12 + c)`` under amp with
-FSDP (the stage's bf16 logits, in the dtype it was traced in), ``t V (12 + 4)`` without it (the
-logits cast back to the traced fp32 for the loss).
+vocabulary-split embedding's over the whole vocabulary, on the stage that holds the embedding). A
+pipeline's moments (its first rank's warm-up, after its first backward, its embedding's backward;
+its last rank's loss) are :func:`_pipeline_moments`'.
 
 Llama-3-8B at FSDP 64 x TP 8, one sequence of 8192 tokens, every block checkpointed, amp_bf16:
 the loss moment is 256 (blocks) + 88 (final norm, head input) + 4 (rotary) + 64 (mask) + 1,252.5
@@ -132,6 +128,86 @@ def stage_params(shape: ModelShape, tp: int, pp: int, vocab_split: bool) -> tupl
     return first, last, block
 
 
+def _pipeline_moments(
+    shape: ModelShape,
+    first: int,
+    last: int,
+    block: int,
+    *,
+    pp: int,
+    v: int,
+    m: int,
+    t: int,
+    kept: int,
+    full: int,
+    out: int,
+    temporaries: int,
+    final_norm: int,
+    fsdp: bool,
+    amp: bool,
+    cb: int,
+    gb: int,
+    whole_embedding: int,
+    fixed: int,
+) -> dict[str, int]:
+    """The moments of a pipeline's first rank (the end of its warm-up, its embedding's backward) and
+    of its last (the loss), as the dry run measures them (docs/planning.md: what the 70B stages hold).
+
+    A stage keeps its blocks gathered from its first forward to its last backward (Hybrid's default
+    under pp), and each in-flight microbatch its blocks' kept inputs and its output (held for its
+    backward: the whole sequence, gathered under sequence parallelism, ``t h a``). In flight at a
+    rank's first backward: 1F1B's min(pp, m) on the first rank, 1 on the last; interleaved (v stages
+    of L / v layers a rank), torch's warm-up of (v - 1) rounds of pp and 2 more a rank from the last,
+    then one forward. Where the warm-up runs every forward (m <= pp under 1F1B), no gradient exists
+    yet at its end; FSDP keeps a stage's unsharded fp32 gradients from its first backward to its last
+    (under interleaving, with every forward in the warm-up, one stage of the rank runs all its
+    backwards, and frees its gradients' full copies, before the other starts). The loss: the logits
+    (under amp in the trace's dtype: FSDP's compute dtype, else cast back to fp32), the
+    log-softmax, its input's and its output's gradients, in fp32 (without amp: all four in the
+    parameters' dtype)."""
+    chunk = math.ceil(shape.num_layers / (pp * v))
+    if v == 1:
+        first_chunks, last_chunks = min(pp, m), 1
+    else:
+        first_chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)
+        last_chunks = min(m * v, (v - 1) * pp + 1)
+    steady = m * v > first_chunks  # forwards left after the first backward
+    one_at_a_time = v > 1 and not steady  # the rank's stages run their backwards one after the other
+    accumulate = fsdp and m > 1
+    gathered_first, gathered_last = (first * cb, last * cb) if fsdp else (0, 0)
+    grads_first = first * gb + whole_embedding if accumulate else 0
+    grads_last = last * gb if accumulate else 0
+    # the first stage, and the last, of a rank's v: its embedding or its head with chunk blocks
+    embedding = first - (v * chunk) * block
+    if one_at_a_time:
+        grads_last = (last - (v - 1) * chunk * block) * gb if accumulate else 0
+    # after the first rank's first backward, one microbatch fewer in flight and the next one's block
+    # recomputed, with the gradients of the stage that ran it (under interleaving with every forward in
+    # the warm-up: the rank's later stage, with no embedding)
+    grads_after = grads_first
+    if one_at_a_time:
+        grads_after = chunk * block * gb if accumulate else 0
+    moments = {
+        "first_stage": first_chunks * (chunk * kept + out) + full + gathered_first + fixed
+        + (grads_first if steady else 0),
+        "after_first_backward": (first_chunks - 1) * (chunk * kept + out) + full + (temporaries if full else 0)
+        + gathered_first + grads_after + fixed,
+        "loss": last_chunks * chunk * kept + (last_chunks - 1) * out * (v > 1) + final_norm
+        + t * shape.vocab * ((12 + (cb if fsdp else _F32)) if amp else 4 * cb) + gathered_last + grads_last + fixed,
+    }  # fmt: skip
+    # the embedding's first backward: its gradient over the whole vocabulary in the compute dtype
+    # (vocabulary-split: computed whole, then its rows kept); under interleaving with every forward
+    # in the warm-up, the rank's other stage is done (its gradients and gathered blocks gone) and
+    # only the first stage's m microbatches are in flight
+    in_flight = m if one_at_a_time else first_chunks
+    stage_first = (chunk * block + embedding) if one_at_a_time else first
+    moments["embedding_backward"] = (
+        (in_flight - 1) * chunk * kept + in_flight * out + shape.vocab * shape.hidden * cb
+        + (stage_first * cb if fsdp else 0) + (stage_first * gb + whole_embedding if accumulate else 0) + fixed
+    )  # fmt: skip
+    return moments
+
+
 def plan_memory(
     shape: ModelShape,
     *,
@@ -199,29 +275,17 @@ def plan_memory(
         whole_embedding = (shape.embed_params - shape.embed_params // T) * gb * split
     common = rotary + mask + accumulated
 
+    # a recomputed block's gradients' temporaries (the MLP's two, the sequence gathered once more)
+    temporaries = 2 * t * cb * f // T + t * h * a
     moments: dict[str, int] = {}
     if pp > 1:
-        # a pipeline stage keeps its blocks gathered from its first forward to its last backward
-        # (Hybrid's default under pp); the first stage holds min(pp, microbatches) microbatches of
-        # its blocks, the last one and the loss: its output (the logits; under amp in the trace's
-        # dtype: FSDP's compute dtype, else cast back to fp32), the log-softmax, its input's and its
-        # output's gradients
-        gathered = stage * cb if fsdp else 0
-        loss = t * V * (12 + ((cb if fsdp else _F32) if amp else 0))
-        # the stage-microbatches whose activations a rank holds at its first backward: 1F1B's
-        # min(pp, m) on the first rank, 1 on the last; interleaved (v stages of L / v layers a rank),
-        # torch's warm-up of (v - 1) rounds of pp and 2 more per rank from the last, then one forward
-        v = stages_per_rank
-        chunk = math.ceil(shape.num_layers / (pp * v))
-        if v == 1:
-            first_chunks, last_chunks = min(pp, m), 1
-        else:
-            first_chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1) + 1)
-            last_chunks = min(m * v, (v - 1) * pp + 1)
-        moments["first_stage"] = (
-            first_chunks * chunk * kept + (full if checkpointing else 0) + gathered + common + whole_embedding
-        )
-        moments["loss"] = last_chunks * chunk * kept + final_norm + loss + gathered + common
+        moments.update(
+            _pipeline_moments(
+                shape, first, last, block, pp=pp, v=stages_per_rank, m=m, t=t, kept=kept, full=full if checkpointing else 0,
+                out=t * h * a, temporaries=temporaries, final_norm=final_norm, fsdp=fsdp, amp=amp, cb=cb, gb=gb,
+                whole_embedding=whole_embedding, fixed=rotary + mask,
+            )
+        )  # fmt: skip
     else:
         if lp:
             # the vocabulary shard's bf16 logits (held by the loss's graph), its log-softmax and gradient
@@ -233,9 +297,8 @@ def plan_memory(
         common += whole_embedding  # the one stage holds the embedding
         moments["loss"] = layers * kept + final_norm + loss + common
         if checkpointing:
-            # the last block recomputed with its gradients' temporaries (the MLP's two, the sequence
-            # gathered once more); FSDP's block, the next one prefetched, the block's fp32 gradients
-            temporaries = 2 * t * cb * f // T + t * h * a
+            # the last block recomputed with its gradients' temporaries; FSDP's block, the next one
+            # prefetched, the block's fp32 gradients
             fsdp_block = (2 * gathered_block + block * gb if fsdp else 0) + root
             moments["block_backward"] = (layers - 1) * kept + full + temporaries + fsdp_block + common
         if fsdp:
