@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import kiln.planning.dry_run as dry_run_module
+import kiln.planning.rank_workers as rank_workers
 from kiln.config.args import load_trainer_args
 from kiln.planning.dry_run import _engine, _loss_of, dry_run, first_microbatch, measure_step, mesh_sizes
 from kiln.planning.shared_trace import one_trace
@@ -127,13 +128,18 @@ def test_ranks_measured_in_workers_report_what_one_process_reports(tmp_path, mon
 
     monkeypatch.setattr(dry_run_module, "dry_run_rank", logged)
     monkeypatch.setattr(dry_run_module, "one_trace", kept_one_trace)
+    forkable = rank_workers.forks_can_backward()
     forked = dry_run(args, world, ranks=ranks, workers=2).to_dict()
     rows = [tuple(map(int, line.split())) for line in where.read_text().splitlines()]
     pids = {rank: pid for rank, pid, *_ in rows}
-    assert sorted(pids) == ranks and os.getpid() not in pids.values()  # each measured in a worker
-    assert len(set(pids.values())) == 3  # each a fresh fork
-    # here: one trace and one cut (rank 0's, stopped there); in each worker: the kept cut taken
-    assert made == [{"traced": 1, "shared": 0, "cut": 1, "cut_shared": 0}]
-    assert sorted((cut, taken) for _, _, cut, taken in rows) == [(1, 1)] * 3
+    assert sorted(pids) == ranks
+    # here: one trace and one cut (rank 0's, stopped there)
+    assert made[0]["traced"] == 1 and made[0]["cut"] >= 1
+    if forkable:
+        assert os.getpid() not in pids.values() and len(set(pids.values())) == 3  # each in a fresh fork
+        assert made == [{"traced": 1, "shared": 0, "cut": 1, "cut_shared": 0}]
+        assert sorted((cut, taken) for _, _, cut, taken in rows) == [(1, 1)] * 3  # each took the kept cut
+    else:  # torch 2.14, after this process's backwards on fake tensors (the tests before): measured here
+        assert set(pids.values()) == {os.getpid()}
     assert [r["rank"] for r in forked["ranks"]] == ranks
     assert forked["ranks"] == alone["ranks"]

@@ -23,6 +23,15 @@ pytestmark = pytest.mark.skipif(not can_fork(), reason="the workers are forks")
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+@pytest.fixture(autouse=True)
+def _forks_run_autograd(monkeypatch):
+    """These workers run no backward: whether a fork of this process could (torch 2.14 refuses one
+    after a backward on fake tensors here, which earlier tests run) is not what they test."""
+    import kiln.planning.rank_workers as rank_workers
+
+    monkeypatch.setattr(rank_workers, "forks_can_backward", lambda: True)
+
+
 def test_each_rank_in_a_fresh_fork_results_in_rank_order():
     out = measure_ranks(lambda rank: (rank * rank, os.getpid()), [5, 2, 9], workers=2)
     assert list(out) == [5, 2, 9] and [v for v, _ in out.values()] == [25, 4, 81]
@@ -70,3 +79,18 @@ def test_no_hang_after_this_process_ran_openmp_threads():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "{0: 49999995000000, 1: 50000005000000, 2: 50000015000001}"
+
+
+def test_where_a_fork_cannot_run_autograd_the_ranks_are_measured_here(monkeypatch):
+    # torch 2.14 refuses a backward in a fork of a process that ran one on fake tensors (an earlier
+    # dry run's step); the ranks are then measured one after another in this process
+    import kiln.planning.rank_workers as rank_workers
+
+    monkeypatch.setattr(rank_workers, "forks_can_backward", lambda: False)
+    assert measure_ranks(lambda rank: os.getpid(), [0, 1, 2], workers=2) == dict.fromkeys([0, 1, 2], os.getpid())
+
+
+def test_a_fresh_process_forks_that_run_autograd():
+    script = f"import sys; sys.path.insert(0, {str(SRC)!r}); from kiln.planning.rank_workers import forks_can_backward; print(forks_can_backward())"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stderr

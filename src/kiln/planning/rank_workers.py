@@ -16,20 +16,25 @@ this process (no fork).
 The workers are ``multiprocessing`` processes started from this thread, each with a pipe for its
 result (no ``multiprocessing.Pool``, whose threads fork the workers it replaces while others run),
 and each runs ATen on one thread: a fork has none of its parent's OpenMP threads, and the first op
-large enough to use them (an ``arange`` at Llama-3-70B's size) waited for them forever.
+large enough to use them (an ``arange`` at Llama-3-70B's size) waited for them forever. Where a fork
+of this process cannot run autograd at all (:func:`forks_can_backward`: torch 2.14 after a backward
+on fake tensors here, such as an earlier dry run's), the ranks are measured one after another here.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["default_workers", "measure_ranks"]
+__all__ = ["can_fork", "default_workers", "forks_can_backward", "measure_ranks"]
 
 R = TypeVar("R")
+logger = logging.getLogger("kiln")
 
 
 def default_workers() -> int:
@@ -42,6 +47,28 @@ def default_workers() -> int:
 def can_fork() -> bool:
     """Whether this platform can fork workers (Linux and macOS; not Windows)."""
     return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _backward_once() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:
+        sys.exit(1)
+
+
+def forks_can_backward() -> bool:
+    """Whether a process forked from this one can run a backward: torch refuses it in a fork of a
+    process whose autograd engine has started its device threads ("Unable to handle autograd's
+    threading in combination with fork-based multiprocessing"), which torch 2.14's build does for a
+    backward on fake tensors (an earlier dry run's step in this process). One fork that runs one
+    backward of one element tells."""
+    process = multiprocessing.get_context("fork").Process(target=_backward_once, daemon=True)
+    process.start()
+    process.join()
+    return process.exitcode == 0
 
 
 def _in_worker(measure: Callable[[int], Any], rank: int, send: Any) -> None:
@@ -72,6 +99,13 @@ def measure_ranks(measure: Callable[[int], R], ranks: Sequence[int], workers: in
     """
     ranks = list(ranks)
     workers = min(workers, len(ranks))
+    if workers > 1 and can_fork() and not forks_can_backward():
+        logger.info(
+            "dry run: a fork of this process cannot run autograd (an earlier backward here started its "
+            "threads); measuring %d ranks one after another in this process",
+            len(ranks),
+        )
+        workers = 1
     if workers <= 1 or not can_fork():
         return {rank: measure(rank) for rank in ranks}
     context = multiprocessing.get_context("fork")
