@@ -150,8 +150,9 @@ def _pipeline_moments(
     whole_embedding: int,
     fixed: int,
 ) -> dict[str, int]:
-    """The moments of a pipeline's first rank (the end of its warm-up, its embedding's backward) and
-    of its last (the loss), as the dry run measures them (docs/planning.md: what the 70B stages hold).
+    """The moments of a pipeline's first rank (the end of its warm-up, after its first backward, its
+    embedding's backward) and of its last (the loss), as the dry run measures them (docs/planning.md:
+    what the 70B stages hold).
 
     A stage keeps its blocks gathered from its first forward to its last backward (Hybrid's default
     under pp), and each in-flight microbatch its blocks' kept inputs and its output (held for its
