@@ -274,20 +274,18 @@ def plan_memory(
     if fsdp and m > 1:
         accumulated = stage * gb
         whole_embedding = (shape.embed_params - shape.embed_params // T) * gb * split
-    common = rotary + mask + accumulated
 
     # a recomputed block's gradients' temporaries (the MLP's two, the sequence gathered once more)
     temporaries = 2 * t * cb * f // T + t * h * a
-    moments: dict[str, int] = {}
     if pp > 1:
-        moments.update(
-            _pipeline_moments(
-                shape, first, last, block, pp=pp, v=stages_per_rank, m=m, t=t, kept=kept, full=full if checkpointing else 0,
-                out=t * h * a, temporaries=temporaries, final_norm=final_norm, fsdp=fsdp, amp=amp, cb=cb, gb=gb,
-                whole_embedding=whole_embedding, fixed=rotary + mask,
-            )
+        moments = _pipeline_moments(
+            shape, first, last, block, pp=pp, v=stages_per_rank, m=m, t=t, kept=kept, full=full if checkpointing else 0,
+            out=t * h * a, temporaries=temporaries, final_norm=final_norm, fsdp=fsdp, amp=amp, cb=cb, gb=gb,
+            whole_embedding=whole_embedding, fixed=rotary + mask,
         )  # fmt: skip
     else:
+        moments = {}
+        common = rotary + mask + accumulated + whole_embedding  # the one stage holds the embedding
         if lp:
             # the vocabulary shard's bf16 logits (held by the loss's graph), its log-softmax and gradient
             loss = 10 * t * V // T
@@ -295,7 +293,6 @@ def plan_memory(
             # inside the model, three fp32 t x V tensors; the loss being the root's output, FSDP has
             # gathered the root again and prefetched the last block for the backward
             loss = 12 * t * V + root + gathered_block
-        common += whole_embedding  # the one stage holds the embedding
         moments["loss"] = layers * kept + final_norm + loss + common
         if checkpointing:
             # the last block recomputed with its gradients' temporaries; FSDP's block, the next one
